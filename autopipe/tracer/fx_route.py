@@ -1,0 +1,144 @@
+"""Route (a): torch.fx symbolic tracing with module leaves.
+
+Leaves are the modules autopipe reasons about as a whole (``nn.Linear``, convolutions, norms,
+``nn.MultiheadAttention``...): every module of the ``torch.nn`` namespace as fx does by default,
+the modules timm registers as untraceable, every module whose traced graph differs between
+``train()`` and ``eval()`` (stochastic depth with p > 0, say: so one graph serves both modes),
+and whatever the user adds.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from ..errors import TraceError
+from ..graph import MODULE_KEY
+
+__all__ = ["LeafSpec", "LeafTracer", "trace_fx", "default_autowrap_functions"]
+
+# A leaf is named by a module type or by a qualified-name prefix ("blocks.3.attn").
+LeafSpec = type | str
+
+
+def _timm_notrace() -> tuple[set[type], set[Callable[..., Any]]]:
+    try:
+        from timm.layers import _fx as timm_fx
+    except ImportError:
+        return set(), set()
+    modules = set(getattr(timm_fx, "_leaf_modules", ()))
+    functions = set(getattr(timm_fx, "_autowrap_functions", ()))
+    return modules, functions
+
+
+def default_autowrap_functions() -> tuple[Callable[..., Any], ...]:
+    return tuple(_timm_notrace()[1])
+
+
+class LeafTracer(fx.Tracer):
+    """An fx tracer whose leaves are chosen as the module docstring says."""
+
+    def __init__(self, leaf_modules: Iterable[LeafSpec] = (), autowrap_functions: Sequence[Callable] = ()):
+        super().__init__(autowrap_functions=tuple(default_autowrap_functions()) + tuple(autowrap_functions))
+        leaves = list(leaf_modules)
+        self._leaf_types = tuple(x for x in leaves if isinstance(x, type)) + tuple(_timm_notrace()[0])
+        self._leaf_names = tuple(x for x in leaves if isinstance(x, str))
+        # The qualified name of the module being traced when tracing fails (for the error).
+        self.failed_module: str | None = None
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if isinstance(m, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
+            return False
+        if self._leaf_types and isinstance(m, self._leaf_types):
+            return True
+        if any(module_qualified_name == n or module_qualified_name.startswith(n + ".") for n in self._leaf_names):
+            return True
+        return super().is_leaf_module(m, module_qualified_name)
+
+    def call_module(self, m: nn.Module, forward: Callable, args: tuple, kwargs: dict) -> Any:
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed_module is None:
+                self.failed_module = self.path_of_module(m)
+            raise
+
+
+def _innermost_module(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return path if isinstance(path, str) else ""
+
+
+def _trace_once(model: nn.Module, leaves: Sequence[LeafSpec], autowrap: Sequence[Callable]) -> fx.Graph:
+    tracer = LeafTracer(leaves, autowrap)
+    try:
+        return tracer.trace(model)
+    except Exception as exc:
+        exc.autopipe_module = tracer.failed_module  # type: ignore[attr-defined]
+        raise
+
+
+def _signatures_by_module(graph: fx.Graph) -> dict[str, list[str]]:
+    """Each owning module's node signatures (op, target, constant arguments), in order."""
+
+    def const(a: Any) -> str:
+        return "%" if isinstance(a, fx.Node) else repr(a)
+
+    out: dict[str, list[str]] = {}
+    for node in graph.nodes:
+        args = fx.node.map_aggregate((node.args, node.kwargs), const)
+        out.setdefault(_innermost_module(node), []).append(f"{node.op}:{node.target}:{args}")
+    return out
+
+
+def _mode_dependent_modules(model: nn.Module, leaves: Sequence[LeafSpec], autowrap: Sequence[Callable]) -> list[str]:
+    """Modules whose traced graph differs between train() and eval(): they must become leaves.
+
+    fx evaluates ``self.training`` at trace time, so a module that branches on it would be
+    frozen in one mode; as a leaf it runs its own forward and follows ``model.train(mode)``.
+    """
+    was_training = model.training
+    try:
+        model.train(True)
+        train = _signatures_by_module(_trace_once(model, leaves, autowrap))
+        model.train(False)
+        evaluation = _signatures_by_module(_trace_once(model, leaves, autowrap))
+    finally:
+        model.train(was_training)
+    differing = [m for m in train.keys() | evaluation.keys() if train.get(m) != evaluation.get(m)]
+    # Keep the outermost of nested differing modules: the leaf swallows its children.
+    differing.sort(key=len)
+    chosen: list[str] = []
+    for m in differing:
+        if not any(m == c or m.startswith(c + ".") for c in chosen):
+            chosen.append(m)
+    return chosen
+
+
+def trace_fx(
+    model: nn.Module,
+    leaf_modules: Iterable[LeafSpec] = (),
+    autowrap_functions: Sequence[Callable] = (),
+) -> fx.GraphModule:
+    """Symbolically trace ``model``; raises whatever fx raises (the caller reports it)."""
+    leaves = list(leaf_modules)
+    dependent = _mode_dependent_modules(model, leaves, autowrap_functions)
+    if "" in dependent:
+        raise TraceError(
+            f"{type(model).__name__}.forward itself branches on self.training, so one traced graph "
+            "cannot serve train() and eval(); move that branch into a submodule or use another route"
+        )
+    leaves += dependent
+    graph = _trace_once(model, leaves, autowrap_functions)
+    gm = fx.GraphModule(model, graph, class_name=type(model).__name__)
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            node.meta[MODULE_KEY] = node.target
+        else:
+            node.meta[MODULE_KEY] = _innermost_module(node)
+    return gm

@@ -1,0 +1,58 @@
+"""Shape propagation on fake tensors: fills ``node.meta["val"]`` without running real kernels.
+
+Works for models on the meta device (planning a model too big for the machine) and for real
+models alike: parameters are turned into fake tensors on the fly, so nothing is allocated.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils import _pytree as pytree
+
+from ..errors import TraceError
+from ..graph import MODULE_KEY
+
+__all__ = ["propagate_shapes", "to_meta"]
+
+
+def to_meta(value: Any) -> Any:
+    """Replace every tensor in ``value`` by a meta tensor of the same shape, stride and dtype."""
+
+    def convert(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=x.dtype, device="meta")
+        return x
+
+    return pytree.tree_map(convert, value)
+
+
+class _Propagator(fx.Interpreter):
+    def run_node(self, n: fx.Node) -> Any:
+        try:
+            result = super().run_node(n)
+        except Exception as exc:  # name the node: the raw error rarely does
+            where = n.meta.get(MODULE_KEY) or "the model's top level"
+            raise TraceError(
+                f"shape propagation failed at node '{n.name}' ({n.op} {n.target}) in {where}: "
+                f"{type(exc).__name__}: {exc}. Check that example_inputs are one micro-batch of the "
+                f"shape the model expects."
+            ) from exc
+        n.meta["val"] = to_meta(result)
+        return result
+
+
+def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+    """Run ``gm`` on fake copies of ``example_inputs``, recording every node's value in its meta.
+
+    Returns the (meta) output value.
+    """
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        fake_inputs = [
+            mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs
+        ]
+        out = _Propagator(gm).run(*fake_inputs)
+    return to_meta(out)
