@@ -1,0 +1,131 @@
+"""Materialise pipeline stages from a plan: one ``fx.GraphModule`` per stage.
+
+Each stage holds only the parameters and buffers its nodes use, under their original
+state_dict names. Its inputs are the tensors crossing the cut before it and its outputs the
+tensors crossing the cut after it, both in the plan's order; the last stage returns the
+model's flattened outputs. Non-tensor values made in an earlier stage (sizes, flags) are
+constants of the plan's micro-batch shape and are baked in.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from .errors import PartitionError
+from .graph import MODULE_KEY, value_of
+from .partition.plan import PartitionPlan
+from .tracer import TracedModel
+
+__all__ = ["emit_stage", "emit_stages", "run_chain"]
+
+_INPLACE_FUNCTIONS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ipow}
+
+
+def _mutates_first_arg(node: fx.Node, gm: fx.GraphModule) -> bool:
+    if node.op == "call_module":
+        return bool(getattr(gm.get_submodule(node.target), "inplace", False))
+    if node.op == "call_method":
+        return isinstance(node.target, str) and node.target.endswith("_") and not node.target.endswith("__")
+    if node.op == "call_function":
+        if node.target in _INPLACE_FUNCTIONS or node.kwargs.get("inplace") is True:
+            return True
+        overload = getattr(node.target, "_schema", None)
+        return overload is not None and overload.name.split("::")[-1].endswith("_")
+    return False
+
+
+def _constant(value: Any, node: fx.Node) -> Any:
+    """A non-tensor value of an earlier stage, as a constant of this one."""
+    if any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(value)):
+        raise PartitionError(
+            f"node '{node.name}' holds tensors inside a {type(value).__name__} and cannot cross a "
+            "stage boundary; this is a bug in the cut constraints, please report it with the model"
+        )
+    return pytree.tree_map(lambda v: tuple(v) if isinstance(v, torch.Size) else v, value)
+
+
+def emit_stage(traced: TracedModel, plan: PartitionPlan, index: int) -> fx.GraphModule:
+    """The GraphModule of stage ``index``; call it with the stage's inputs in plan order."""
+    src = traced.gm
+    by_name = {n.name: n for n in src.graph.nodes}
+    stage = plan.stages[index]
+    members = set(stage.nodes)
+    graph = fx.Graph()
+    env: dict[fx.Node, Any] = {}
+
+    for cut in stage.inputs:
+        ph = graph.placeholder(cut.name)
+        ph.meta.update(by_name[cut.name].meta)
+        env[by_name[cut.name]] = ph
+
+    # A received tensor is an autograd leaf: an in-place op on it would fail, so copy it first.
+    mutated = {
+        n.args[0] for n in (by_name[x] for x in stage.nodes)
+        if n.args and isinstance(n.args[0], fx.Node) and n.args[0] in env and _mutates_first_arg(n, src)
+    }
+    for original in mutated:
+        clone = graph.call_function(torch.clone, (env[original],))
+        clone.meta.update(original.meta)
+        env[original] = clone
+
+    def lookup(n: fx.Node) -> Any:
+        if n in env:
+            return env[n]
+        if n.op == "get_attr":  # parameters are copied into every stage that reads them
+            copy = graph.get_attr(n.target)
+            copy.meta.update(n.meta)
+            env[n] = copy
+            return copy
+        if n.name in members:
+            raise PartitionError(f"node '{n.name}' is used before it is computed in stage {index}")
+        value = value_of(n)
+        if isinstance(value, torch.Tensor):
+            raise PartitionError(
+                f"stage {index} needs tensor '{n.name}' (from module '{n.meta.get(MODULE_KEY, '')}') "
+                "but it is not among the stage's inputs; the plan does not match this graph"
+            )
+        return _constant(value, n)
+
+    for name in stage.nodes:
+        node = by_name[name]
+        if node.op == "get_attr":  # materialised where used, so a stage holds only what it reads
+            continue
+        if node.op == "placeholder":
+            if index != 0:
+                raise PartitionError(f"input '{name}' placed in stage {index}; inputs belong to stage 0")
+            env[node] = graph.placeholder(node.target)
+            env[node].meta.update(node.meta)
+            continue
+        env[node] = graph.node_copy(node, lookup)
+
+    if index == plan.num_stages - 1:
+        out_node = next(n for n in src.graph.nodes if n.op == "output")
+        results = tuple(lookup(n) for n in out_node.args[0])
+    else:
+        results = tuple(lookup(by_name[c.name]) for c in stage.outputs)
+    graph.output(results)
+    gm = fx.GraphModule(src, graph, class_name=f"Stage{index}")
+    # Sizes computed here for later stages only are baked there: drop them and their modules.
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    gm.delete_all_unused_submodules()
+    gm.meta["autopipe_stage"] = index
+    return gm
+
+
+def emit_stages(traced: TracedModel, plan: PartitionPlan, indices: Iterable[int] | None = None) -> dict[int, fx.GraphModule]:
+    """Stage modules by index (all stages, or the given ones: a rank builds only its own)."""
+    wanted = range(plan.num_stages) if indices is None else indices
+    return {i: emit_stage(traced, plan, i) for i in wanted}
+
+
+def run_chain(stages: Sequence[torch.nn.Module], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Run the stages one after another in this process (the single-process reference)."""
+    values: tuple[Any, ...] = tuple(inputs)
+    for stage in stages:
+        values = tuple(stage(*values))
+    return values

@@ -1,0 +1,1 @@
+"""Cutting a traced graph into pipeline stages: linear order, balance, plan."""

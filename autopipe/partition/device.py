@@ -1,0 +1,252 @@
+"""Device profiles: turn a node's FLOPs and bytes into seconds with a roofline.
+
+Built-in profiles carry achievable rates, not datasheet peaks. ``measure_profile`` times the
+local device; ``measure_node_times`` times a graph node by node to check the cost model.
+"""
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.fx.node import map_aggregate
+
+from autopipe.errors import ConfigError
+from autopipe.partition.cost import FREE_KINDS, MATMUL_KINDS, NodeCost
+
+__all__ = ["DeviceProfile", "PROFILES", "get_profile", "measure_profile", "measure_node_times"]
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """Rates of one device and of the link to its pipeline neighbour (SI units: /s, B/s, s)."""
+
+    name: str
+    matmul_flops: float  # matmul-unit FLOP/s in the compute dtype
+    vector_flops: float  # FLOP/s of elementwise and reduction kernels
+    mem_bandwidth: float  # device memory bytes/s
+    link_bandwidth: float  # bytes/s of one p2p send between pipeline neighbours
+    link_latency: float  # seconds added to every send
+    op_overhead: float  # seconds per launched node (dispatch + kernel launch)
+
+    def __post_init__(self) -> None:
+        rates = ("matmul_flops", "vector_flops", "mem_bandwidth", "link_bandwidth")
+        bad = [f"{n}={getattr(self, n)!r}" for n in rates if not getattr(self, n) > 0]
+        bad += [f"{n}={getattr(self, n)!r}" for n in ("link_latency", "op_overhead")
+                if not getattr(self, n) >= 0]  # "not >=" also catches NaN
+        if bad:
+            raise ConfigError(f"device profile {self.name!r} needs positive rates and non-negative "
+                              f"latencies, got {', '.join(bad)}")
+
+    def node_time(self, c: NodeCost, *, backward: bool = False) -> float:
+        """Roofline: the slower of compute and memory traffic, plus one launch overhead.
+
+        Views and non-tensor nodes launch nothing and take 0 s.
+        """
+        flops, nbytes = (c.bwd_flops, c.bwd_bytes) if backward else (c.fwd_flops, c.fwd_bytes)
+        if c.kind in FREE_KINDS or (flops == 0 and nbytes == 0):
+            return 0.0
+        peak = self.matmul_flops if c.kind in MATMUL_KINDS else self.vector_flops
+        return max(flops / peak, nbytes / self.mem_bandwidth) + self.op_overhead
+
+    def transfer_time(self, nbytes: float) -> float:
+        """Seconds to send ``nbytes`` to a pipeline neighbour; 0 when nothing is sent."""
+        return 0.0 if nbytes <= 0 else self.link_latency + nbytes / self.link_bandwidth
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema_version": SCHEMA_VERSION, **asdict(self)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> DeviceProfile:
+        return cls(**{f.name: data[f.name] for f in fields(cls)})
+
+
+# Achievable rates, roughly what a well-fed large kernel reaches, not datasheet peaks:
+# - cpu: a modest 2-core x86 box in fp32; the link is gloo over loopback TCP.
+# - h100 (SXM): bf16 dense 989e12 peak, ~600e12 reached by large GEMMs; non-tensor-core
+#   ~67e12 fp32 peak; HBM3 3.35e12 B/s peak, ~90% on copies; NVLink p2p ~150e9 B/s effective.
+# - h200: the H100's compute with 4.8e12 B/s HBM3e (~90% on copies).
+PROFILES: dict[str, DeviceProfile] = {
+    "cpu": DeviceProfile("cpu", matmul_flops=50e9, vector_flops=10e9, mem_bandwidth=10e9,
+                         link_bandwidth=1e9, link_latency=50e-6, op_overhead=10e-6),
+    "h100": DeviceProfile("h100", matmul_flops=600e12, vector_flops=50e12, mem_bandwidth=3.0e12,
+                          link_bandwidth=150e9, link_latency=10e-6, op_overhead=5e-6),
+    "h200": DeviceProfile("h200", matmul_flops=600e12, vector_flops=50e12, mem_bandwidth=4.3e12,
+                          link_bandwidth=150e9, link_latency=10e-6, op_overhead=5e-6),
+}
+
+
+def get_profile(name_or_profile: str | DeviceProfile) -> DeviceProfile:
+    """A built-in profile by name (case-insensitive), or the profile given."""
+    if isinstance(name_or_profile, DeviceProfile):
+        return name_or_profile
+    profile = PROFILES.get(str(name_or_profile).lower())
+    if profile is None:
+        raise ConfigError(f"unknown device profile {name_or_profile!r}; known profiles: "
+                          f"{', '.join(PROFILES)}. Or pass a DeviceProfile, e.g. "
+                          f"measure_profile('cuda:0')")
+    return profile
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type != "cpu" and hasattr(getattr(torch, device.type, None), "synchronize"):
+        getattr(torch, device.type).synchronize()
+
+
+def _median_seconds(fn: Callable[[], object], device: torch.device, reps: int) -> float:
+    fn()  # warm-up: allocator, page faults, library autotuning
+    times = []
+    for _ in range(reps):
+        _synchronize(device)
+        start = time.perf_counter()
+        fn()
+        _synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_profile(device: torch.device | str, dtype: torch.dtype = torch.float32) -> DeviceProfile:
+    """Time a square matmul, a large copy and a run of tiny kernels on ``device``.
+
+    On CPU this takes well under a second. The link is not measured (it needs a peer): its
+    numbers come from the "cpu" profile, or "h100" for an accelerator. vector_flops is the
+    measured matmul rate scaled by that profile's vector/matmul ratio, because an elementwise
+    kernel large enough to time is memory-bound and would only measure bandwidth again.
+    """
+    dev = torch.device(device)
+    base = PROFILES["cpu" if dev.type == "cpu" else "h100"]
+    n, copy_bytes, reps = (512, 32 << 20, 5) if dev.type == "cpu" else (8192, 1 << 30, 10)
+    a = torch.randn(n, n, device=dev).to(dtype)
+    b = torch.randn(n, n, device=dev).to(dtype)
+    matmul = 2.0 * n**3 / _median_seconds(lambda: torch.mm(a, b), dev, reps)
+    src = torch.empty(copy_bytes // dtype.itemsize, dtype=dtype, device=dev)
+    dst = torch.empty_like(src)
+    bandwidth = 2.0 * copy_bytes / _median_seconds(lambda: dst.copy_(src), dev, reps)  # read + write
+    tiny, launches = torch.zeros(1, device=dev), 200
+
+    def run_tiny() -> None:
+        for _ in range(launches):
+            tiny.add_(1)
+
+    overhead = _median_seconds(run_tiny, dev, 3) / launches
+    return DeviceProfile(f"measured:{dev}", matmul_flops=matmul,
+                         vector_flops=matmul * base.vector_flops / base.matmul_flops,
+                         mem_bandwidth=bandwidth, link_bandwidth=base.link_bandwidth,
+                         link_latency=base.link_latency, op_overhead=overhead)
+
+
+def _random_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if t.is_floating_point():
+        return torch.randn(t.shape, dtype=t.dtype, device=device)
+    return torch.zeros(t.shape, dtype=t.dtype, device=device)
+
+
+def _materialise(gm: fx.GraphModule, device: torch.device) -> None:
+    """Move ``gm`` (a private copy) to ``device``, giving meta tensors values.
+
+    Meta parameters become N(0, 0.02), floating buffers 1.0 (a positive running_var) and
+    integer buffers 0 (always a valid index): enough to time kernels, not to train.
+    """
+    tensors = [*gm.parameters(), *gm.buffers()]
+    if any(t.is_meta for t in tensors):
+        gm.to_empty(device=device)
+        with torch.no_grad():
+            for p in gm.parameters():
+                if p.is_floating_point():
+                    p.normal_(0.0, 0.02)
+                else:
+                    p.zero_()
+            for b in gm.buffers():
+                if b.is_floating_point():
+                    b.fill_(1.0)
+                else:
+                    b.zero_()
+    else:
+        gm.to(device)
+    # Plain tensor attributes (export's lifted constants) are neither parameters nor buffers.
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        owner_path, _, attr = node.target.rpartition(".")
+        owner = gm.get_submodule(owner_path)
+        value = getattr(owner, attr)
+        if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and value.device != device:
+            setattr(owner, attr, _random_like(value, device) if value.is_meta else value.to(device))
+    # Factory calls traced on the meta device carry device=meta.
+    def retarget(a: Any) -> Any:
+        return device if isinstance(a, torch.device) and a.type == "meta" else a
+
+    for node in gm.graph.nodes:
+        node.args = map_aggregate(node.args, retarget)
+        node.kwargs = map_aggregate(node.kwargs, retarget)
+
+
+def _seconds_per_call(fn: Callable[[], object], device: torch.device, calls: int) -> float:
+    # Back to back, as in a real forward where the host runs ahead of the device: a call
+    # costs its kernel time or its launch time, whichever is longer.
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / calls
+    _synchronize(device)
+    begin = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    _synchronize(device)
+    return (time.perf_counter() - begin) / calls
+
+
+class _NodeTimer(fx.Interpreter):
+    """Runs the graph once; stops at every call node to time it alone on its real inputs."""
+
+    def __init__(self, gm: fx.GraphModule, device: torch.device, runs: int, calls: int) -> None:
+        super().__init__(gm)
+        self.device, self.runs, self.calls = device, runs, calls
+        self.seconds: dict[str, float] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        result = super().run_node(n)  # also the warm-up call
+        if n.op in ("call_function", "call_method", "call_module"):
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            call = getattr(self, n.op)
+            samples = [_seconds_per_call(lambda: call(n.target, args, kwargs), self.device, self.calls)
+                       for _ in range(self.runs)]
+            self.seconds[n.name] = statistics.median(samples)
+        else:
+            self.seconds[n.name] = 0.0
+        return result
+
+
+def measure_node_times(gm: fx.GraphModule, example_inputs: Sequence[Any],
+                       device: torch.device | str, *, runs: int = 5, calls: int = 5) -> dict[str, float]:
+    """Forward seconds of every node of ``gm`` on ``device``: median of ``runs`` timings.
+
+    Runs a deep copy of ``gm`` once with torch.fx.Interpreter under no_grad on real tensors;
+    each call node is then re-run ``calls`` times back to back on its own inputs and timed
+    with CUDA events on GPU, perf_counter on CPU. Placeholders, get_attr and output take 0.
+    In-place nodes re-apply themselves, so values are garbage: timings only. Meta
+    parameters and inputs get random values (see _materialise) and the whole model sits on
+    ``device``: meant for small models.
+    """
+    dev = torch.device(device)
+    work = copy.deepcopy(gm)
+    _materialise(work, dev)
+    inputs = [(_random_like(x, dev) if x.is_meta else x.to(dev)) if isinstance(x, torch.Tensor) else x
+              for x in example_inputs]
+    timer = _NodeTimer(work, dev, max(runs, 1), max(calls, 1))
+    with torch.no_grad():
+        timer.run(*inputs)
+    return timer.seconds

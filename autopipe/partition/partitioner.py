@@ -1,0 +1,281 @@
+"""``partition()``: price every node of a traced model and cut it into balanced stages.
+
+Cuts are made over the graph's own topological order (fx keeps nodes in execution order), at
+node granularity: a cut may fall inside a block when that balances better. Communication at a
+cut is the bytes of every tensor live across it, residual streams included.
+"""
+from __future__ import annotations
+
+import difflib
+from typing import Mapping, Sequence
+
+import networkx as nx
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from ..errors import ConfigError, PartitionError
+from ..graph import is_tensor_node, owning_module, value_of
+from ..tracer import TracedModel
+from . import balance as balancer
+from .cost import NodeCost, graph_costs, training_state_bytes
+from .dag import LinearDag, linearize
+from .device import DeviceProfile, get_profile
+from .plan import CutTensor, PartitionPlan, StagePlan
+
+__all__ = ["partition", "BALANCE_MODES", "layer_groups"]
+
+BALANCE_MODES = ("cost", "params", "uniform")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _check_degree(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def layer_of(module_path: str, root: torch.nn.Module) -> str:
+    """The top-level layer a module belongs to: ``blocks.3`` inside a ModuleList, else ``head``."""
+    if not module_path:
+        return ""
+    parts = module_path.split(".")
+    child = getattr(root, parts[0], None)
+    if _is_layer_list(child) and len(parts) > 1:
+        return ".".join(parts[:2])
+    return parts[0]
+
+
+def _is_layer_list(module: object) -> bool:
+    # A GraphModule rebuilds the containers on a target's path as plain nn.Module, so a
+    # ModuleList/Sequential of the original model is recognised by its indexed children too.
+    if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)):
+        return True
+    names = [name for name, _ in module.named_children()] if isinstance(module, torch.nn.Module) else []
+    return bool(names) and all(name.isdigit() for name in names)
+
+
+def layer_groups(nodes: Sequence[fx.Node], root: torch.nn.Module) -> list[int]:
+    """Non-decreasing layer index of each node, for the equal-layers ("uniform") split."""
+    groups: list[int] = []
+    current, gid = None, -1
+    for node in nodes:
+        layer = layer_of(owning_module(node), root)
+        if layer and layer != current:
+            current, gid = layer, gid + 1
+        groups.append(max(gid, 0))
+    return groups
+
+
+def _allowed_cuts(nodes: Sequence[fx.Node], gm: fx.GraphModule) -> list[bool]:
+    """Where a cut may fall: ``allowed[k]`` says whether stages may split after node k.
+
+    Two users of one parameter stay in one stage.
+
+    A parameter used by two stages would need its gradient summed across them; keeping its
+    users together avoids that (vision models rarely share weights, so this costs nothing).
+    """
+    allowed = [True] * max(len(nodes) - 1, 0)
+    users: dict[int, list[int]] = {}
+    for i, node in enumerate(nodes):
+        owned: list[torch.Tensor] = []
+        if node.op == "call_module":
+            owned = list(gm.get_submodule(node.target).parameters())
+        for arg in node.all_input_nodes:
+            if arg.op == "get_attr":
+                t = _resolve_attr(gm, arg.target)
+                if isinstance(t, torch.Tensor):
+                    owned.append(t)
+        for t in owned:
+            users.setdefault(id(t), []).append(i)
+    for positions in users.values():
+        for k in range(min(positions), max(positions)):
+            allowed[k] = False
+    position = {n: i for i, n in enumerate(nodes)}
+    for i, node in enumerate(nodes):
+        # Inputs all belong to stage 0, and a stage of inputs alone would do nothing.
+        if node.op == "placeholder" and i < len(allowed):
+            allowed[i] = False
+        # A tuple of tensors cannot be sent: keep it with the nodes that unpack it.
+        value = value_of(node)
+        if not isinstance(value, torch.Tensor) and any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(value)):
+            last = max((position[u] for u in node.users if u in position), default=i)
+            for k in range(i, last):
+                allowed[k] = False
+    return allowed
+
+
+def _resolve_attr(gm: fx.GraphModule, target: str) -> object:
+    obj: object = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _split_positions(names: Sequence[str], nodes: Sequence[fx.Node]) -> list[int]:
+    """Cut positions (after index k) for explicit split points named by module."""
+    modules = sorted({owning_module(n) for n in nodes if owning_module(n)})
+    positions = []
+    for name in names:
+        first = next(
+            (i for i, n in enumerate(nodes) if owning_module(n) == name or owning_module(n).startswith(name + ".")),
+            None,
+        )
+        if first is None:
+            close = difflib.get_close_matches(name, modules, n=3)
+            hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+            raise PartitionError(f"split point {name!r} names no module of the traced graph{hint}")
+        if first == 0:
+            raise PartitionError(f"split point {name!r} is the first module: a stage before it would be empty")
+        positions.append(first - 1)
+    return positions
+
+
+def partition(
+    traced: TracedModel,
+    pp: int,
+    chunks: int = 1,
+    *,
+    tp: int = 1,
+    microbatches: int = 1,
+    balance: str | Sequence[str] = "cost",
+    device: str | DeviceProfile = "h100",
+    schedule: str = "1f1b",
+    mem_cap: float | None = None,
+    optimizer: str = "adamw",
+    costs: Mapping[str, NodeCost] | None = None,
+    model_name: str = "",
+) -> PartitionPlan:
+    """Cut ``traced`` into ``pp * chunks`` stages; ``balance`` is a mode or split-point modules.
+
+    ``costs`` overrides the per-node costs (tensor parallelism passes its sharded costs here).
+    """
+    pp, chunks, tp = (_check_degree(n, v) for n, v in (("pp", pp), ("chunks", chunks), ("tp", tp)))
+    microbatches = _check_degree("microbatches", microbatches)
+    n_stages = pp * chunks
+    profile = get_profile(device)
+    gm = traced.gm
+    nodes = [n for n in gm.graph.nodes if n.op != "output"]
+    output_node = next(n for n in gm.graph.nodes if n.op == "output")
+    costs = dict(costs) if costs is not None else graph_costs(gm)
+
+    # In-flight micro-batches bound activation memory: m for GPipe, about pp for 1F1B.
+    in_flight = microbatches if schedule == "gpipe" else min(microbatches, pp * chunks)
+    order = [n.name for n in nodes]
+    compute = [profile.node_time(costs[n]) + profile.node_time(costs[n], backward=True) for n in order]
+    mem = [
+        training_state_bytes(costs[n].param_bytes, optimizer) + costs[n].saved_bytes * in_flight for n in order
+    ]
+    params = [costs[n].param_count for n in order]
+
+    graph = nx.DiGraph()
+    for node in nodes:
+        # get_attr and non-tensor values are never sent: the emitter copies or bakes them.
+        sent = node.op != "get_attr" and is_tensor_node(node)
+        graph.add_node(node.name, cost=0.0, out_bytes=costs[node.name].out_bytes if sent else 0, mem=0.0, params=0)
+    for node in nodes:
+        for user in node.users:
+            if user.op != "output":
+                graph.add_edge(node.name, user.name)
+    # Model outputs must reach the last stage: a sink after everything keeps them live.
+    sink = "__output__"
+    graph.add_node(sink, cost=0.0, out_bytes=0, mem=0.0, params=0)
+    for leaf in output_node.all_input_nodes:
+        graph.add_edge(leaf.name, sink)
+    dag: LinearDag = linearize(graph, order + [sink])
+    cut_time = [2.0 * profile.transfer_time(b) for b in dag.cut_bytes[: len(order) - 1]]
+    allowed = _allowed_cuts(nodes, gm)
+    if sum(allowed) + 1 < n_stages:
+        raise PartitionError(
+            f"cannot cut {len(order)} nodes into {n_stages} stages (pp={pp} x chunks={chunks}): "
+            f"at most {sum(allowed) + 1} stages are possible; lower pp or chunks"
+        )
+
+    if isinstance(balance, str):
+        if balance == "cost":
+            starts = balancer.solve(compute, n_stages, cut_cost=cut_time, mem=mem, mem_cap=mem_cap, allowed_cuts=allowed)
+        elif balance == "params":
+            starts = balancer.solve_params(params, n_stages, allowed_cuts=allowed)
+        elif balance == "uniform":
+            starts = balancer.solve_uniform(layer_groups(nodes, traced.gm), n_stages)
+        else:
+            raise ConfigError(
+                f"balance={balance!r} is not a mode; use one of {', '.join(BALANCE_MODES)} "
+                "or a list of module names to cut before"
+            )
+        mode = balance
+    else:
+        starts = balancer.solve_split_points(_split_positions(list(balance), nodes), n_stages)
+        mode = "split_points:" + ",".join(balance)
+
+    return _build_plan(traced, nodes, costs, compute, cut_time, dag, starts, mem, profile,
+                       pp=pp, chunks=chunks, tp=tp, microbatches=microbatches, mode=mode,
+                       schedule=schedule, in_flight=in_flight, optimizer=optimizer, model_name=model_name)
+
+
+def _cut_tensors(names: Sequence[str], by_name: Mapping[str, fx.Node]) -> list[CutTensor]:
+    out = []
+    for name in names:
+        node = by_name.get(name)
+        if node is None or node.op == "get_attr" or not is_tensor_node(node):
+            continue
+        v = value_of(node)
+        out.append(CutTensor(name, tuple(v.shape), _dtype_name(v.dtype), v.numel() * v.element_size()))
+    return out
+
+
+def _build_plan(traced, nodes, costs, compute, cut_time, dag, starts, mem, profile, *, pp, chunks, tp,
+                microbatches, mode, schedule, in_flight, optimizer, model_name) -> PartitionPlan:
+    by_name = {n.name: n for n in nodes}
+    n = len(nodes)
+    ends = list(starts[1:]) + [n]
+    stages: list[StagePlan] = []
+    for s, (i, j) in enumerate(zip(starts, ends)):
+        names = [nodes[k].name for k in range(i, j)]
+        cs = [costs[x] for x in names]
+        inputs = _cut_tensors(dag.crossing[i - 1], by_name) if i > 0 else []
+        outputs = _cut_tensors(dag.crossing[j - 1], by_name) if j < n else []
+        comm = (cut_time[i - 1] if i > 0 else 0.0) + (cut_time[j - 1] if j < n else 0.0)
+        owned = [owning_module(nodes[k]) for k in range(i, j) if owning_module(nodes[k])]
+        param_bytes = sum(c.param_bytes for c in cs)
+        saved = sum(c.saved_bytes for c in cs)
+        stages.append(
+            StagePlan(
+                index=s,
+                pp_rank=s % pp,
+                chunk=s // pp,
+                nodes=names,
+                modules=(owned[0], owned[-1]) if owned else ("", ""),
+                params=sum(c.param_count for c in cs),
+                param_bytes=param_bytes,
+                flops=sum(c.fwd_flops + c.bwd_flops for c in cs),
+                compute_time=sum(compute[i:j]),
+                comm_time=comm,
+                cost=sum(compute[i:j]) + comm,
+                activation_bytes=saved,
+                memory_bytes=int(training_state_bytes(param_bytes, optimizer) + saved * in_flight),
+                inputs=inputs,
+                outputs=outputs,
+                cut_bytes=sum(t.nbytes for t in outputs),
+            )
+        )
+    stage_costs = [st.cost for st in stages]
+    mean = sum(stage_costs) / len(stage_costs)
+    return PartitionPlan(
+        model=model_name or type(traced.gm).__name__,
+        route=traced.route,
+        pp=pp,
+        chunks=chunks,
+        tp=tp,
+        microbatches=microbatches,
+        microbatch_size=traced.input_shapes[0][0] if traced.input_shapes and traced.input_shapes[0] else 1,
+        balance=mode,
+        device=profile.name,
+        schedule=schedule,
+        stages=stages,
+        imbalance=max(stage_costs) / mean if mean > 0 else 1.0,
+        total_params=sum(st.params for st in stages),
+    )

@@ -1,0 +1,96 @@
+"""The partition plan: plain data saying which nodes each pipeline stage runs and what it costs.
+
+A plan prints itself as a table, serialises to JSON (with a schema version) and draws itself;
+it needs no process group and no GPU, so it is made and checked anywhere.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["SCHEMA_VERSION", "CutTensor", "StagePlan", "PartitionPlan"]
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class CutTensor:
+    """A tensor crossing a stage boundary (one micro-batch)."""
+
+    name: str  # the producing node
+    shape: tuple[int, ...]
+    dtype: str  # "float32", "bfloat16", "int64"...
+    nbytes: int
+
+
+@dataclass
+class StagePlan:
+    index: int
+    pp_rank: int
+    chunk: int
+    nodes: list[str]
+    modules: tuple[str, str]  # owning modules of the first and the last node with one
+    params: int
+    param_bytes: int
+    flops: float  # forward + backward
+    compute_time: float  # modelled seconds, forward + backward, one micro-batch
+    comm_time: float  # modelled seconds sending and receiving its cut tensors
+    cost: float  # compute_time + comm_time: what the balancer minimises the max of
+    activation_bytes: int  # saved for backward, one micro-batch
+    memory_bytes: int  # params, grads, optimizer state, and activations of in-flight micro-batches
+    inputs: list[CutTensor]
+    outputs: list[CutTensor]
+    cut_bytes: int  # bytes sent to the next stage, one micro-batch
+    shardings: dict[str, str] = field(default_factory=dict)  # node -> sharding, when tp > 1
+
+
+@dataclass
+class PartitionPlan:
+    model: str
+    route: str
+    pp: int
+    chunks: int
+    tp: int
+    microbatches: int
+    microbatch_size: int
+    balance: str
+    device: str
+    schedule: str
+    stages: list[StagePlan]
+    imbalance: float
+    total_params: int
+    schema: int = SCHEMA_VERSION
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def stage_of(self) -> dict[str, int]:
+        """Node name -> stage index."""
+        return {n: s.index for s in self.stages for n in s.nodes}
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["schema"] = self.schema
+        return d
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "PartitionPlan":
+        stages = []
+        for s in d["stages"]:
+            s = dict(s)
+            s["inputs"] = [CutTensor(c["name"], tuple(c["shape"]), c["dtype"], c["nbytes"]) for c in s["inputs"]]
+            s["outputs"] = [CutTensor(c["name"], tuple(c["shape"]), c["dtype"], c["nbytes"]) for c in s["outputs"]]
+            s["modules"] = tuple(s["modules"])
+            stages.append(StagePlan(**s))
+        rest = {k: v for k, v in d.items() if k != "stages"}
+        return cls(stages=stages, **rest)
+
+    def __str__(self) -> str:
+        from .report import format_table
+
+        return format_table(self)

@@ -1,0 +1,108 @@
+"""Chaining the emitted stages in one process reproduces the model: outputs and gradients."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autopipe.emit import emit_stages, run_chain
+from autopipe.errors import ConfigError, PartitionError
+from autopipe.partition.partitioner import partition
+from autopipe.tracer import trace
+from tests.models import MODELS, image_batch, logits
+
+
+def _reference(model, x):
+    model.zero_grad()
+    out = model(x)
+    loss = logits(out).square().mean()
+    loss.backward()
+    return logits(out).detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _chained(model, traced, plan, x):
+    model.zero_grad()
+    stages = emit_stages(traced, plan)
+    out = traced.unflatten_output(run_chain([stages[i] for i in range(plan.num_stages)], x))
+    loss = logits(out).square().mean()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return logits(out).detach(), grads, stages
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("pp,chunks", [(2, 1), (4, 2)])
+def test_chained_stages_reproduce_outputs_and_gradients(name, pp, chunks):
+    model = MODELS[name]().eval()  # eval: dropout off, BatchNorm uses running stats in both runs
+    x = image_batch(2)
+    ref_out, ref_grads = _reference(model, x)
+    traced = trace(model, (x,))
+    plan = partition(traced, pp, chunks, device="cpu")
+    assert plan.num_stages == pp * chunks
+    out, grads, stages = _chained(model, traced, plan, x)
+    torch.testing.assert_close(out, ref_out, rtol=1e-6, atol=1e-6)
+    assert grads.keys() == ref_grads.keys()
+    for k in ref_grads:
+        torch.testing.assert_close(grads[k], ref_grads[k], rtol=1e-6, atol=1e-6, msg=k)
+    # Each stage owns only its own parameters, under their original names.
+    seen: dict[str, int] = {}
+    for i, st in stages.items():
+        for key in st.state_dict():
+            assert key in model.state_dict()
+        for key, _ in st.named_parameters():
+            seen[key] = seen.get(key, 0) + 1
+    assert set(seen) == {n for n, _ in model.named_parameters()}
+    assert all(v == 1 for v in seen.values()), {k: v for k, v in seen.items() if v > 1}
+
+
+def test_stage_boundaries_match_plan():
+    model = MODELS["timm_vit"]().eval()
+    x = image_batch(2)
+    traced = trace(model, (x,))
+    plan = partition(traced, 4, device="cpu")
+    stages = emit_stages(traced, plan)
+    values = (x,)
+    for i in range(plan.num_stages):
+        values = stages[i](*values)
+        if i < plan.num_stages - 1:
+            spec = plan.stages[i].outputs
+            assert [tuple(v.shape) for v in values] == [c.shape for c in spec]
+            assert plan.stages[i + 1].inputs == spec
+
+
+def test_train_mode_batchnorm_updates_running_stats_like_the_model():
+    model = MODELS["tv_resnet"]().train()
+    x = image_batch(4)
+    traced = trace(model, (x,))
+    plan = partition(traced, 2, device="cpu")
+    ref = {k: v.clone() for k, v in model.state_dict().items()}
+    stages = emit_stages(traced, plan)
+    run_chain([stages[0], stages[1]], x)
+    after_chain = {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(ref)
+    model(x)
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(after_chain[k], v, msg=k)
+
+
+def test_too_many_stages_is_a_partition_error():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    traced = trace(model, (torch.randn(2, 4),))
+    with pytest.raises(PartitionError, match="at most"):
+        partition(traced, 8, device="cpu")
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5])
+def test_degrees_must_be_positive(bad):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
+    traced = trace(model, (torch.randn(2, 4),))
+    with pytest.raises(ConfigError, match="pp must be a positive integer"):
+        partition(traced, bad, device="cpu")
+
+
+def test_split_points_by_module_name():
+    model = MODELS["timm_vit"]().eval()
+    traced = trace(model, (image_batch(2),))
+    plan = partition(traced, 2, balance=["blocks.1"], device="cpu")
+    assert plan.stages[1].modules[0].startswith("blocks.1")
+    with pytest.raises(PartitionError, match="blocks.9"):
+        partition(traced, 2, balance=["blocks.9"], device="cpu")
