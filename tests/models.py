@@ -118,3 +118,12 @@ def logits(output) -> torch.Tensor:
     if hasattr(output, "logits"):
         return output.logits
     return output[0]
+
+
+# AdamW turns rounding noise into full-size updates where the exact gradient is zero, and the
+# key bias of attention always has a zero gradient (softmax ignores a shift shared by all keys).
+# Equivalence tests that use AdamW therefore take attention without qkv bias.
+ADAMW_MODELS: dict[str, Callable[[], nn.Module]] = {
+    "timm_vit": lambda: timm_vit(qkv_bias=False),
+    "hf_vit": lambda: hf_vit(qkv_bias=False),
+}

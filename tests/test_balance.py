@@ -9,9 +9,12 @@ from hypothesis import strategies as st
 
 from autopipe.errors import PartitionError
 from autopipe.partition.balance import (
+    StageTime,
     check_starts,
     imbalance,
+    overlapped_stage_times,
     solve,
+    solve_overlapped,
     solve_params,
     solve_split_points,
     solve_uniform,
@@ -279,3 +282,199 @@ def test_large_graph_smoke():
     assert len(starts) == 16
     check_starts(starts, n)
     assert imbalance(stage_costs(cost, solve(cost, 16), None)) < 1.5
+
+
+# solve_overlapped: stage [i, j) takes max(compute, comm) + latency.
+
+
+def overlapped_time(compute, i, j, cut_time, cut_latency):
+    """One stage's time, written out from the definition (no prefix sums)."""
+    n = len(compute)
+    t = [0.0] * (n - 1) if cut_time is None else cut_time
+    lat = [0.0] * (n - 1) if cut_latency is None else cut_latency
+    comm = (t[i - 1] if i > 0 else 0.0) + (t[j - 1] if j < n else 0.0)
+    latency = (lat[i - 1] if i > 0 else 0.0) + (lat[j - 1] if j < n else 0.0)
+    return max(sum(compute[i:j]), comm) + latency
+
+
+def splits(n, n_stages, mem=None, mem_cap=None, allowed_cuts=None):
+    for chosen in itertools.combinations(range(1, n), n_stages - 1):
+        if allowed_cuts is not None and not all(allowed_cuts[b - 1] for b in chosen):
+            continue
+        fences = [0, *chosen, n]
+        if mem_cap is not None and any(sum(mem[i:j]) > mem_cap for i, j in zip(fences, fences[1:])):
+            continue
+        yield [0, *chosen]
+
+
+def brute_force_overlapped(compute, n_stages, cut_time=None, cut_latency=None, mem=None, mem_cap=None,
+                           allowed_cuts=None):
+    """Every split ranked as solve_overlapped ranks them: (largest time, summed cut weight, starts)."""
+    n = len(compute)
+    t = [0.0] * (n - 1) if cut_time is None else cut_time
+    lat = [0.0] * (n - 1) if cut_latency is None else cut_latency
+    best = None
+    for starts in splits(n, n_stages, mem, mem_cap, allowed_cuts):
+        fences = [*starts, n]
+        largest = max(overlapped_time(compute, i, j, cut_time, cut_latency) for i, j in zip(fences, fences[1:]))
+        key = (largest, sum(t[b - 1] + lat[b - 1] for b in starts[1:]), starts)
+        best = key if best is None or key < best else best
+    return best
+
+
+@st.composite
+def overlap_problems(draw, values=st.integers(0, 6).map(float)):
+    cost, n_stages, kw = draw(problems(values))
+    n = len(cost)
+    kw["cut_time"] = kw.pop("cut_cost")
+    kw["cut_latency"] = draw(st.none() | st.lists(values, min_size=n - 1, max_size=n - 1))
+    return cost, n_stages, kw
+
+
+@SMALL
+@given(overlap_problems(values=st.integers(0, 9).map(float)))
+def test_solve_overlapped_is_optimal_with_ties_broken_as_documented(problem):
+    cost, n_stages, kw = problem
+    best = brute_force_overlapped(cost, n_stages, **kw)
+    allowed = kw["allowed_cuts"]
+    if allowed is not None and sum(allowed) + 1 < n_stages:
+        with pytest.raises(PartitionError, match="cannot cut"):
+            solve_overlapped(cost, n_stages, **kw)
+    elif best is None:
+        with pytest.raises(PartitionError, match="smallest cap that fits"):
+            solve_overlapped(cost, n_stages, **kw)
+    else:
+        assert solve_overlapped(cost, n_stages, **kw) == best[2]
+
+
+@SMALL
+@given(
+    overlap_problems(
+        values=st.floats(0, 1e3, allow_subnormal=False)
+        | st.floats(0, 1e-6, allow_subnormal=False)
+        | st.sampled_from([0.1, 0.2, 0.3, 1e9])
+    )
+)
+def test_solve_overlapped_is_exact_for_any_floats(problem):
+    # Timed by overlapped_stage_times (the solver's own formula), no split may beat the answer
+    # even in the last bit; against the formula written out it agrees to rounding.
+    cost, n_stages, kw = problem
+    kw.update(mem=None, mem_cap=None)
+    allowed = kw["allowed_cuts"]
+    if allowed is not None and sum(allowed) + 1 < n_stages:
+        return
+    starts = solve_overlapped(cost, n_stages, **kw)
+    check_starts(starts, len(cost))
+    assert len(starts) == n_stages
+    if allowed is not None:
+        assert all(allowed[b - 1] for b in starts[1:])
+    times = (kw["cut_time"], kw["cut_latency"])
+    got = max(t.cost for t in overlapped_stage_times(cost, starts, *times))
+    for other in splits(len(cost), n_stages, allowed_cuts=allowed):
+        assert got <= max(t.cost for t in overlapped_stage_times(cost, other, *times))
+    want = brute_force_overlapped(cost, n_stages, *times, allowed_cuts=allowed)[0]
+    assert math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-12)
+
+
+@SMALL
+@given(overlap_problems())
+def test_solve_overlapped_caps_memory_and_errs_as_solve_does(problem):
+    cost, n_stages, kw = problem
+    mem, allowed = kw["mem"], kw["allowed_cuts"]
+    solve_kw = dict(mem=mem, mem_cap=kw["mem_cap"], allowed_cuts=allowed)
+    try:
+        solve(cost, n_stages, **solve_kw)
+    except PartitionError as expected:
+        with pytest.raises(PartitionError) as caught:
+            solve_overlapped(cost, n_stages, **kw)
+        assert str(caught.value) == str(expected)
+        return
+    starts = solve_overlapped(cost, n_stages, **kw)
+    if kw["mem_cap"] is not None:
+        fences = [*starts, len(cost)]
+        assert all(sum(mem[i:j]) <= kw["mem_cap"] for i, j in zip(fences, fences[1:]))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.floats(0, 1e3), min_size=1, max_size=40), st.data())
+def test_solve_overlapped_with_a_free_link_is_solve(cost, data):
+    n_stages = data.draw(st.integers(1, len(cost)))
+    assert solve_overlapped(cost, n_stages) == solve(cost, n_stages)
+
+
+def test_transfers_hide_behind_compute():
+    # Each cut moves 1.5 s of data: the additive model would charge 2 + 1.5 + 1.5 to a middle
+    # stage, but overlapped it only takes max(2, 3) = 3.
+    compute = [1.0, 1.0, 1.0, 1.0]
+    assert solve_overlapped(compute, 2, cut_time=[1.5, 1.5, 1.5]) == [0, 2]
+    assert overlapped_stage_times(compute, [0, 2], [1.5, 1.5, 1.5]) == [
+        StageTime(2.0, 1.5, 0.0, 2.0), StageTime(2.0, 1.5, 0.0, 2.0)]
+    # A huge activation after position 1 makes a stage link-bound: avoided, ties to the earliest.
+    assert solve_overlapped(compute, 2, cut_time=[0.5, 10.0, 0.5]) == [0, 1]
+    # Latency is never hidden: 2 + 0.25 + 0.25 on both sides of the middle cut.
+    times = overlapped_stage_times(compute, [0, 2], [1.5, 1.5, 1.5], [0.25, 0.25, 0.25])
+    assert [t.cost for t in times] == [2.25, 2.25]
+    assert [t.latency for t in times] == [0.25, 0.25]
+
+
+def test_overlapped_ties_go_to_the_lighter_cuts():
+    # Cuts after position 0 and 2 both give a largest time of 3; the one moving less wins.
+    compute = [1.0, 1.0, 1.0, 1.0]
+    assert solve_overlapped(compute, 2, cut_time=[0.5, 9.0, 0.25]) == [0, 3]
+    # Both give 3.5 again; the weight of a cut is its cut_time + cut_latency (0.25 vs 1, then 1.25 vs 1).
+    compute = [1.0, 1.0, 1.0, 1.5]
+    assert solve_overlapped(compute, 2, cut_time=[0.25, 9.0, 0.5], cut_latency=[0.0, 0.0, 0.5]) == [0, 1]
+    assert solve_overlapped(compute, 2, cut_time=[1.25, 9.0, 0.5], cut_latency=[0.0, 0.0, 0.5]) == [0, 3]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(compute=[1.0, -1.0]), r"compute\[1\] is -1.0"),
+        (dict(compute=[1.0, 2.0], n_stages=0), "n_stages must be at least 1, got 0"),
+        (dict(compute=[1.0, 2.0], cut_time=[1.0, 2.0]), "cut_time has 2 entries but 2 nodes have 1"),
+        (dict(compute=[1.0, 2.0], cut_latency=[float("inf")]), r"cut_latency\[0\] is inf"),
+        (dict(compute=[1.0, 2.0], allowed_cuts=[True] * 3), "allowed_cuts has 3 entries"),
+        (dict(compute=[1.0, 2.0], mem_cap=4.0), "mem_cap needs mem"),
+        (dict(compute=[1.0] * 3, n_stages=4), "cannot cut 3 nodes into 4 stages: at most 3 stages"),
+    ],
+)
+def test_solve_overlapped_bad_input(kwargs, match):
+    kwargs.setdefault("n_stages", 1)
+    with pytest.raises(PartitionError, match=match):
+        solve_overlapped(**kwargs)
+
+
+def test_overlapped_stage_times():
+    compute = [1.0, 2.0, 3.0, 4.0]
+    times = overlapped_stage_times(compute, [0, 2, 3], [9.0, 0.5, 4.0], [0.1, 0.2, 0.3])
+    assert [(t.compute, t.comm, t.latency) for t in times] == [(3.0, 0.5, 0.2), (3.0, 4.5, 0.5), (4.0, 4.0, 0.3)]
+    assert [t.cost for t in times] == [3.2, 5.0, 4.3]
+    assert overlapped_stage_times(compute, [0]) == [StageTime(10.0, 0.0, 0.0, 10.0)]
+    with pytest.raises(PartitionError, match="cut_time has 2 entries"):
+        overlapped_stage_times(compute, [0, 2], [1.0, 2.0])
+    with pytest.raises(PartitionError, match="empty stage"):
+        overlapped_stage_times(compute, [0, 2, 2])
+
+
+def test_overlapped_large_graph_smoke():
+    rng = np.random.default_rng(0)
+    n = 3000
+    compute = rng.random(n)
+    compute[rng.random(n) < 0.4] = 0.0  # views and getitems cost nothing
+    compute[100] = 30.0
+    cut_time = rng.random(n - 1)
+    cut_latency = np.full(n - 1, 0.01)
+    mem = rng.random(n)
+    allowed = rng.random(n - 1) < 0.8
+    starts = solve_overlapped(compute, 16, cut_time=cut_time, cut_latency=cut_latency, mem=mem,
+                              mem_cap=mem.sum() / 12, allowed_cuts=allowed)
+    assert len(starts) == 16
+    check_starts(starts, n)
+    additive = solve(compute, 16, cut_cost=cut_time + cut_latency, allowed_cuts=allowed)
+    free = solve_overlapped(compute, 16, cut_time=cut_time, cut_latency=cut_latency, allowed_cuts=allowed)
+
+    def largest(split):
+        return max(t.cost for t in overlapped_stage_times(compute, split, cut_time, cut_latency))
+
+    assert largest(free) <= largest(additive)

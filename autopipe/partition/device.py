@@ -71,15 +71,20 @@ class DeviceProfile:
 # Achievable rates, roughly what a well-fed large kernel reaches, not datasheet peaks:
 # - cpu: a modest 2-core x86 box in fp32; the link is gloo over loopback TCP.
 # - h100 (SXM): bf16 dense 989e12 peak, ~600e12 reached by large GEMMs; non-tensor-core
-#   ~67e12 fp32 peak; HBM3 3.35e12 B/s peak, ~90% on copies; NVLink p2p ~150e9 B/s effective.
+#   ~67e12 fp32 peak; HBM3 3.35e12 B/s peak, ~90% on copies.
 # - h200: the H100's compute with 4.8e12 B/s HBM3e (~90% on copies).
+# - h100/h200 link: 300e9 B/s, what NCCL send/recv between two NVLink-connected GPUs typically
+#   reaches for multi-MB messages (NVLink 4: 450e9 B/s per direction peak). An achievable
+#   figure, not a measured one: replace it with a measurement of the real fabric
+#   (measure_profile cannot time a link, it needs a peer), and with a far lower one where
+#   neighbours talk over PCIe or across nodes (InfiniBand: ~25-50e9 B/s).
 PROFILES: dict[str, DeviceProfile] = {
     "cpu": DeviceProfile("cpu", matmul_flops=50e9, vector_flops=10e9, mem_bandwidth=10e9,
                          link_bandwidth=1e9, link_latency=50e-6, op_overhead=10e-6),
     "h100": DeviceProfile("h100", matmul_flops=600e12, vector_flops=50e12, mem_bandwidth=3.0e12,
-                          link_bandwidth=150e9, link_latency=10e-6, op_overhead=5e-6),
+                          link_bandwidth=300e9, link_latency=10e-6, op_overhead=5e-6),
     "h200": DeviceProfile("h200", matmul_flops=600e12, vector_flops=50e12, mem_bandwidth=4.3e12,
-                          link_bandwidth=150e9, link_latency=10e-6, op_overhead=5e-6),
+                          link_bandwidth=300e9, link_latency=10e-6, op_overhead=5e-6),
 }
 
 

@@ -2,7 +2,8 @@
 
 Cuts are made over the graph's own topological order (fx keeps nodes in execution order), at
 node granularity: a cut may fall inside a block when that balances better. Communication at a
-cut is the bytes of every tensor live across it, residual streams included.
+cut is the bytes of every tensor live across it, residual streams included; how it enters a
+stage's time is [Note: communication in the stage cost].
 """
 from __future__ import annotations
 
@@ -30,6 +31,40 @@ BALANCE_MODES = ("cost", "params", "uniform")
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+# Element size -> a dtype of that size, for training_state_bytes (which reads only the size).
+_DTYPE_OF_SIZE = {1: torch.uint8, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
+
+
+def _param_dtype(cost: NodeCost) -> torch.dtype:
+    """A dtype as wide as the node's parameters: ``param_bytes / param_count`` bytes each.
+
+    A node mixing dtypes gets the nearest size; one without parameters fp32 (it holds none).
+    """
+    if cost.param_count == 0:
+        return torch.float32
+    width = cost.param_bytes / cost.param_count
+    return _DTYPE_OF_SIZE[min(_DTYPE_OF_SIZE, key=lambda size: abs(size - width))]
+
+
+def _check_activation_dtype(dtype: object) -> torch.dtype | None:
+    if dtype is None or (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        return dtype
+    raise ConfigError(f"activation_dtype must be a floating torch.dtype (e.g. torch.bfloat16) or None, "
+                      f"got {dtype!r}")
+
+
+def _sent_bytes(node: fx.Node, nbytes: int, activation_dtype: torch.dtype | None) -> int:
+    """Bytes of ``node``'s value on the wire: a floating tensor travels in ``activation_dtype``.
+
+    Scaled from ``nbytes`` (the node's priced output, which a sharded costing may have cut)
+    rather than recomputed from the traced value.
+    """
+    value = value_of(node)
+    if activation_dtype is None or not (isinstance(value, torch.Tensor) and value.is_floating_point()):
+        return nbytes
+    return nbytes * activation_dtype.itemsize // value.element_size()
 
 
 def _check_degree(name: str, value: object) -> int:
@@ -148,13 +183,18 @@ def partition(
     optimizer: str = "adamw",
     costs: Mapping[str, NodeCost] | None = None,
     model_name: str = "",
+    activation_dtype: torch.dtype | None = None,
 ) -> PartitionPlan:
     """Cut ``traced`` into ``pp * chunks`` stages; ``balance`` is a mode or split-point modules.
 
     ``costs`` overrides the per-node costs (tensor parallelism passes its sharded costs here).
+    ``activation_dtype`` is the dtype floating tensors cross stage boundaries in, when it is
+    not the traced one: ``torch.bfloat16`` under bf16 autocast, where activations travel in
+    bf16 while the model was traced in fp32. It prices the cuts and names the plan's tensors.
     """
     pp, chunks, tp = (_check_degree(n, v) for n, v in (("pp", pp), ("chunks", chunks), ("tp", tp)))
     microbatches = _check_degree("microbatches", microbatches)
+    activation_dtype = _check_activation_dtype(activation_dtype)
     n_stages = pp * chunks
     profile = get_profile(device)
     gm = traced.gm
@@ -166,16 +206,17 @@ def partition(
     in_flight = microbatches if schedule == "gpipe" else min(microbatches, pp * chunks)
     order = [n.name for n in nodes]
     compute = [profile.node_time(costs[n]) + profile.node_time(costs[n], backward=True) for n in order]
-    mem = [
-        training_state_bytes(costs[n].param_bytes, optimizer) + costs[n].saved_bytes * in_flight for n in order
-    ]
+    state = [training_state_bytes(costs[n].param_bytes, optimizer, param_dtype=_param_dtype(costs[n]))
+             for n in order]
+    mem = [held + costs[n].saved_bytes * in_flight for held, n in zip(state, order)]
     params = [costs[n].param_count for n in order]
 
     graph = nx.DiGraph()
     for node in nodes:
         # get_attr and non-tensor values are never sent: the emitter copies or bakes them.
         sent = node.op != "get_attr" and is_tensor_node(node)
-        graph.add_node(node.name, cost=0.0, out_bytes=costs[node.name].out_bytes if sent else 0, mem=0.0, params=0)
+        nbytes = _sent_bytes(node, costs[node.name].out_bytes, activation_dtype) if sent else 0
+        graph.add_node(node.name, cost=0.0, out_bytes=nbytes, mem=0.0, params=0)
     for node in nodes:
         for user in node.users:
             if user.op != "output":
@@ -186,7 +227,10 @@ def partition(
     for leaf in output_node.all_input_nodes:
         graph.add_edge(leaf.name, sink)
     dag: LinearDag = linearize(graph, order + [sink])
-    cut_time = [2.0 * profile.transfer_time(b) for b in dag.cut_bytes[: len(order) - 1]]
+    # See [Note: communication in the stage cost].
+    cut_bytes = [int(b) for b in dag.cut_bytes[: len(order) - 1]]
+    cut_time = [2.0 * b / profile.link_bandwidth for b in cut_bytes]
+    cut_latency = [2.0 * profile.link_latency if b > 0 else 0.0 for b in cut_bytes]
     allowed = _allowed_cuts(nodes, gm)
     if sum(allowed) + 1 < n_stages:
         raise PartitionError(
@@ -196,7 +240,8 @@ def partition(
 
     if isinstance(balance, str):
         if balance == "cost":
-            starts = balancer.solve(compute, n_stages, cut_cost=cut_time, mem=mem, mem_cap=mem_cap, allowed_cuts=allowed)
+            starts = balancer.solve_overlapped(compute, n_stages, cut_time=cut_time, cut_latency=cut_latency,
+                                               mem=mem, mem_cap=mem_cap, allowed_cuts=allowed)
         elif balance == "params":
             starts = balancer.solve_params(params, n_stages, allowed_cuts=allowed)
         elif balance == "uniform":
@@ -211,24 +256,45 @@ def partition(
         starts = balancer.solve_split_points(_split_positions(list(balance), nodes), n_stages)
         mode = "split_points:" + ",".join(balance)
 
-    return _build_plan(traced, nodes, costs, compute, cut_time, dag, starts, mem, profile,
+    times = balancer.overlapped_stage_times(compute, starts, cut_time, cut_latency)
+    return _build_plan(traced, nodes, costs, times, dag, starts, state, profile, activation_dtype,
                        pp=pp, chunks=chunks, tp=tp, microbatches=microbatches, mode=mode,
-                       schedule=schedule, in_flight=in_flight, optimizer=optimizer, model_name=model_name)
+                       schedule=schedule, in_flight=in_flight, model_name=model_name)
 
 
-def _cut_tensors(names: Sequence[str], by_name: Mapping[str, fx.Node]) -> list[CutTensor]:
+# [Note: communication in the stage cost]
+# The runtime posts sends without waiting and receives ahead of the compute that needs them
+# (NCCL runs them on its own stream), so in the steady state of a schedule a stage's
+# transfers overlap its compute. A stage [i, j) therefore takes
+#     max(compute, comm) + latency
+# - compute: its nodes' forward + backward seconds;
+# - comm: seconds moving the bytes of its input cut and of its output cut, each twice
+#   (activations forward, their gradients back): 2 * bytes / link_bandwidth per cut;
+# - latency: link_latency per transfer, so 2 per cut, which overlap does not hide.
+# The balancer (balance.solve_overlapped) minimises the largest such time exactly, so it
+# avoids a cut at a huge activation only where that would make a stage link-bound; the plan's
+# StagePlan.cost and imbalance come from balance.overlapped_stage_times, the same formula to
+# the bit. Floating tensors are priced in activation_dtype when one is given.
+# The largest stage time sets the pipeline's step time, so that is what is minimised. The
+# plan's imbalance (largest over mean) is not: latencies and link-bound excess move the
+# mean with the cuts, and a split with a slower largest stage can show a lower ratio.
+
+
+def _cut_tensors(names: Sequence[str], by_name: Mapping[str, fx.Node],
+                 activation_dtype: torch.dtype | None) -> list[CutTensor]:
     out = []
     for name in names:
         node = by_name.get(name)
         if node is None or node.op == "get_attr" or not is_tensor_node(node):
             continue
         v = value_of(node)
-        out.append(CutTensor(name, tuple(v.shape), _dtype_name(v.dtype), v.numel() * v.element_size()))
+        dtype = activation_dtype if activation_dtype is not None and v.is_floating_point() else v.dtype
+        out.append(CutTensor(name, tuple(v.shape), _dtype_name(dtype), v.numel() * dtype.itemsize))
     return out
 
 
-def _build_plan(traced, nodes, costs, compute, cut_time, dag, starts, mem, profile, *, pp, chunks, tp,
-                microbatches, mode, schedule, in_flight, optimizer, model_name) -> PartitionPlan:
+def _build_plan(traced, nodes, costs, times, dag, starts, state, profile, activation_dtype, *, pp, chunks, tp,
+                microbatches, mode, schedule, in_flight, model_name) -> PartitionPlan:
     by_name = {n.name: n for n in nodes}
     n = len(nodes)
     ends = list(starts[1:]) + [n]
@@ -236,9 +302,8 @@ def _build_plan(traced, nodes, costs, compute, cut_time, dag, starts, mem, profi
     for s, (i, j) in enumerate(zip(starts, ends)):
         names = [nodes[k].name for k in range(i, j)]
         cs = [costs[x] for x in names]
-        inputs = _cut_tensors(dag.crossing[i - 1], by_name) if i > 0 else []
-        outputs = _cut_tensors(dag.crossing[j - 1], by_name) if j < n else []
-        comm = (cut_time[i - 1] if i > 0 else 0.0) + (cut_time[j - 1] if j < n else 0.0)
+        inputs = _cut_tensors(dag.crossing[i - 1], by_name, activation_dtype) if i > 0 else []
+        outputs = _cut_tensors(dag.crossing[j - 1], by_name, activation_dtype) if j < n else []
         owned = [owning_module(nodes[k]) for k in range(i, j) if owning_module(nodes[k])]
         param_bytes = sum(c.param_bytes for c in cs)
         saved = sum(c.saved_bytes for c in cs)
@@ -252,18 +317,16 @@ def _build_plan(traced, nodes, costs, compute, cut_time, dag, starts, mem, profi
                 params=sum(c.param_count for c in cs),
                 param_bytes=param_bytes,
                 flops=sum(c.fwd_flops + c.bwd_flops for c in cs),
-                compute_time=sum(compute[i:j]),
-                comm_time=comm,
-                cost=sum(compute[i:j]) + comm,
+                compute_time=times[s].compute,
+                comm_time=times[s].comm,
+                cost=times[s].cost,
                 activation_bytes=saved,
-                memory_bytes=int(training_state_bytes(param_bytes, optimizer) + saved * in_flight),
+                memory_bytes=int(sum(state[i:j]) + saved * in_flight),
                 inputs=inputs,
                 outputs=outputs,
                 cut_bytes=sum(t.nbytes for t in outputs),
             )
         )
-    stage_costs = [st.cost for st in stages]
-    mean = sum(stage_costs) / len(stage_costs)
     return PartitionPlan(
         model=model_name or type(traced.gm).__name__,
         route=traced.route,
@@ -276,6 +339,6 @@ def _build_plan(traced, nodes, costs, compute, cut_time, dag, starts, mem, profi
         device=profile.name,
         schedule=schedule,
         stages=stages,
-        imbalance=max(stage_costs) / mean if mean > 0 else 1.0,
+        imbalance=balancer.imbalance([st.cost for st in stages]),
         total_params=sum(st.params for st in stages),
     )

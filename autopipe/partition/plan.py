@@ -35,8 +35,8 @@ class StagePlan:
     param_bytes: int
     flops: float  # forward + backward
     compute_time: float  # modelled seconds, forward + backward, one micro-batch
-    comm_time: float  # modelled seconds sending and receiving its cut tensors
-    cost: float  # compute_time + comm_time: what the balancer minimises the max of
+    comm_time: float  # modelled seconds moving its cut tensors (overlaps compute)
+    cost: float  # max(compute, comm) + transfer latency: what the balancer minimises the max of
     activation_bytes: int  # saved for backward, one micro-batch
     memory_bytes: int  # params, grads, optimizer state, and activations of in-flight micro-batches
     inputs: list[CutTensor]

@@ -6,7 +6,7 @@ one over p2p, with failure propagation, micro-batching and an optional :class:`T
 from autopipe.runtime.driver import PipelineDriver
 from autopipe.runtime.failure import FailureMonitor
 from autopipe.runtime.microbatch import merge, nearest_divisible, split_inputs, split_targets
-from autopipe.runtime.p2p import P2P, TensorSpec
+from autopipe.runtime.p2p import P2P, BufferPool, TensorSpec
 from autopipe.runtime.schedule import (
     SCHEDULES,
     Action,
@@ -29,6 +29,7 @@ __all__ = [
     "PipelineDriver",
     "TensorSpec",
     "P2P",
+    "BufferPool",
     "FailureMonitor",
     "split_inputs",
     "split_targets",

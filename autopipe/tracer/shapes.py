@@ -9,6 +9,7 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
+import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
@@ -49,10 +50,22 @@ def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
 
     Returns the (meta) output value.
     """
+    # Fake mode runs ops on real tensors alone for real: a train-mode batch norm would bump the
+    # model's num_batches_tracked. Buffers are swapped for copies while the graph runs.
+    buffers = {f"gm.{n}": b.clone() for n, b in gm.named_buffers()}
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         fake_inputs = [
             mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs
         ]
-        out = _Propagator(gm).run(*fake_inputs)
+        out = torch.func.functional_call(_Running(gm), buffers, tuple(fake_inputs))
     return to_meta(out)
+
+
+class _Running(nn.Module):
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__()
+        self.gm = gm
+
+    def forward(self, *args: Any) -> Any:
+        return _Propagator(self.gm).run(*args)

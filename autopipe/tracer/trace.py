@@ -18,6 +18,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import TraceError
 from ..graph import MODULE_KEY, value_of
+from .export_route import keep_buffer_persistence
 from .fx_route import LeafSpec, trace_fx
 from .shapes import propagate_shapes
 
@@ -149,6 +150,7 @@ def trace(
         except Exception as exc:
             attempts[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} {_where(exc)}".strip()
             continue
+        keep_buffer_persistence(gm, model)
         return TracedModel(
             gm=gm,
             route=name,

@@ -1,0 +1,121 @@
+"""``parallelize()``: pipeline x tensor x data parallelism for an unmodified model, in one call.
+
+The steps run in this order, each a function of the last (see ARCHITECTURE):
+1. check every argument on this rank (no collective yet, so a mistake cannot hang a peer);
+2. trace the model to a graph;
+3. shard it for this tp rank (before partitioning: the cost model must see sharded compute);
+4. cut it into ``pp * chunks`` stages (deterministic: every rank computes the same plan);
+5. build the (pp, dp, tp) mesh, the first collective;
+6. emit this rank's stages, move them to the device, make dp replicas start equal;
+7. hand them to the pipeline driver.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .emit import emit_stages
+from .errors import ConfigError
+from .mesh import ParallelDims, build_mesh, default_device
+from .model import ParallelModel, StageRuntime
+from .partition.partitioner import partition
+from .runtime.schedule import SCHEDULES, validate
+from .tracer import trace
+
+__all__ = ["parallelize"]
+
+_PRECISIONS = {None: None, "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _check(loss_fn: Any, schedule: str, pp: int, chunks: int, microbatches: int, mixed_precision: Any) -> None:
+    if not callable(loss_fn):
+        raise ConfigError("loss_fn must be a callable loss_fn(model_output, target) -> scalar tensor")
+    if schedule not in SCHEDULES or schedule == "forward_only":
+        raise ConfigError(
+            f"schedule={schedule!r}; training schedules are 'gpipe', '1f1b', 'interleaved_1f1b'"
+        )
+    if mixed_precision not in _PRECISIONS:
+        raise ConfigError(f"mixed_precision={mixed_precision!r}; use None, 'bf16' or 'fp16'")
+    validate(schedule, pp, microbatches, chunks)
+
+
+def parallelize(
+    model: nn.Module,
+    example_inputs: Sequence[torch.Tensor],
+    *,
+    pp: int = 1,
+    tp: int = 1,
+    microbatches: int = 1,
+    schedule: str | None = None,
+    chunks: int = 1,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    balance: str | Sequence[str] = "cost",
+    shard_rules: Sequence[Any] | None = None,
+    leaf_modules: Iterable[type | str] = (),
+    exec_sequence: Sequence[Any] | None = None,
+    mixed_precision: str | None = None,
+    activation_checkpointing: bool = False,
+    device: torch.device | str | None = None,
+    profile: str | None = None,
+    deadline: float = 300.0,
+    record_timeline: bool = False,
+) -> ParallelModel:
+    """Parallelize ``model`` over the processes torchrun started; returns a :class:`ParallelModel`.
+
+    ``example_inputs`` are the model's positional inputs for ONE micro-batch. ``dp`` is
+    ``world_size // (pp * tp)``. ``schedule`` defaults to "1f1b" (``interleaved_1f1b`` when
+    ``chunks > 1``). ``mixed_precision="bf16"`` runs stages under autocast; "fp16" adds a dynamic
+    loss scale (step with :meth:`ParallelModel.step`).
+    """
+    # 1. Local checks: every rank raises the same error before any collective.
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    schedule = schedule or ("interleaved_1f1b" if chunks > 1 else "1f1b")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    dims = ParallelDims(pp, tp, world)
+    _check(loss_fn, schedule, pp, chunks, microbatches, mixed_precision)
+    device = torch.device(device) if device is not None else default_device()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    pp_rank, dp_rank, tp_rank = dims.coords(rank)
+    if world > 1 and not dist.is_initialized():
+        raise ConfigError("torch.distributed is not initialised; launch with torchrun and call "
+                          "torch.distributed.init_process_group() first")
+
+    # 2. Trace.
+    traced = trace(model, tuple(example_inputs), leaf_modules=leaf_modules, exec_sequence=exec_sequence)
+
+    # 3. Shard for this tp rank.
+    shard_plan = None
+    if tp > 1:
+        from .shard import apply_sharding, plan_sharding
+
+        shard_plan = plan_sharding(traced, tp, rules=shard_rules)
+        traced = apply_sharding(traced, shard_plan, tp_rank, group="tp")
+
+    # 4. Partition.
+    plan = partition(
+        traced, pp, chunks, tp=tp, microbatches=microbatches, balance=balance,
+        device=profile or ("h100" if device.type == "cuda" else "cpu"), schedule=schedule,
+        model_name=type(model).__name__,
+    )
+
+    # 5. Mesh (the first collective).
+    mesh = build_mesh(dims, device)
+    if tp > 1:
+        from .shard.collectives import register_group
+
+        register_group("tp", mesh.tp_group)
+
+    # 6. This rank's stages.
+    local = [s.index for s in plan.stages if s.pp_rank == pp_rank]
+    stages = {i: m.to(device) for i, m in emit_stages(traced, plan, local).items()}
+
+    runtime = StageRuntime(
+        plan=plan, traced=traced, stages=stages, mesh=mesh, schedule=schedule, loss_fn=loss_fn,
+        compute_dtype=_PRECISIONS[mixed_precision], activation_checkpointing=activation_checkpointing,
+        deadline=deadline, record_timeline=record_timeline,
+    )
+    return ParallelModel(model, runtime, shard_plan=shard_plan, fp16=mixed_precision == "fp16")

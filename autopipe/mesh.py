@@ -1,0 +1,88 @@
+"""The (pp, dp, tp) process mesh: degrees checked against the world size, groups from DeviceMesh.
+
+Rank layout: tp innermost (neighbouring ranks share the fastest links), then dp, then pp:
+``rank = (pp_rank * dp + dp_rank) * tp + tp_rank``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .errors import ConfigError
+
+__all__ = ["ParallelDims", "Mesh", "build_mesh"]
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Degrees of each parallelism; ``dp`` is derived from the world size."""
+
+    pp: int
+    tp: int
+    world_size: int
+
+    def __post_init__(self) -> None:
+        for name in ("pp", "tp", "world_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+        if self.world_size % (self.pp * self.tp):
+            valid = [self.pp * self.tp * k for k in range(1, 5)]
+            raise ConfigError(
+                f"world size {self.world_size} is not a multiple of pp * tp = {self.pp} * {self.tp} = "
+                f"{self.pp * self.tp}; dp = world_size / (pp * tp) must be whole. Launch "
+                f"{', '.join(map(str, valid))}... processes, or change pp/tp"
+            )
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.pp * self.tp)
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(pp_rank, dp_rank, tp_rank) of a global rank."""
+        return rank // (self.dp * self.tp), (rank // self.tp) % self.dp, rank % self.tp
+
+    def rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
+        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
+
+    def describe(self) -> str:
+        return f"pp={self.pp} x dp={self.dp} x tp={self.tp} (tp innermost, then dp, then pp)"
+
+
+@dataclass
+class Mesh:
+    dims: ParallelDims
+    rank: int
+    pp_rank: int
+    dp_rank: int
+    tp_rank: int
+    pp_group: dist.ProcessGroup | None
+    dp_group: dist.ProcessGroup | None
+    tp_group: dist.ProcessGroup | None
+    device: torch.device
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available():
+        import os
+
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def build_mesh(dims: ParallelDims, device: torch.device) -> Mesh:
+    """Collective: every rank calls it after the degrees were checked locally."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    pp_rank, dp_rank, tp_rank = dims.coords(rank)
+    if dims.world_size == 1:
+        return Mesh(dims, 0, 0, 0, 0, None, None, None, device)
+    mesh = init_device_mesh(device.type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=("pp", "dp", "tp"))
+    return Mesh(
+        dims, rank, pp_rank, dp_rank, tp_rank,
+        pp_group=mesh.get_group("pp"), dp_group=mesh.get_group("dp"), tp_group=mesh.get_group("tp"),
+        device=device,
+    )

@@ -1,0 +1,313 @@
+"""``ParallelModel``: what ``parallelize()`` returns, the one object users hold.
+
+It runs training and evaluation steps through the pipeline driver, averages gradients over
+data-parallel replicas, clips and scales them across the whole mesh, and converts between
+this rank's sharded stages and the unmodified model's full state_dict.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from .errors import CheckpointError, InputError
+from .mesh import Mesh
+from .partition.plan import PartitionPlan
+from .runtime.driver import PipelineDriver
+from .runtime.p2p import TensorSpec
+from .runtime.timeline import Timeline
+from .tracer import TracedModel
+from .training import LossScaler, average_gradients, clip_gradients, global_grad_norm
+
+__all__ = ["ParallelModel", "StageRuntime", "StepResult"]
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def _wrap_forward(stage: nn.Module, *, device_type: str, compute_dtype: torch.dtype | None,
+                  cast_outputs: bool, recompute: bool) -> None:
+    """Run the stage under autocast and/or activation checkpointing; send activations in the
+    compute dtype. The instance attribute shadows the generated ``forward``, so parameter names
+    and the module tree stay those of the plan."""
+    inner = stage.forward
+
+    def run(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if compute_dtype is None:
+            return inner(*inputs)
+        with torch.autocast(device_type, dtype=compute_dtype):
+            outputs = inner(*inputs)
+        if cast_outputs:
+            outputs = tuple(o.to(compute_dtype) if o.is_floating_point() else o for o in outputs)
+        return outputs
+
+    if recompute:
+        stage.forward = functools.wraps(inner)(lambda *xs: checkpoint(run, *xs, use_reentrant=False))
+    else:
+        stage.forward = run
+
+
+@dataclass
+class StageRuntime:
+    """This rank's stages with the plan and mesh they came from, and the driver running them."""
+
+    plan: PartitionPlan
+    traced: TracedModel
+    stages: dict[int, nn.Module]
+    mesh: Mesh
+    schedule: str
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    compute_dtype: torch.dtype | None = None
+    activation_checkpointing: bool = False
+    deadline: float = 300.0
+    record_timeline: bool = False
+
+    def __post_init__(self) -> None:
+        plan, last = self.plan, self.plan.num_stages - 1
+
+        def spec(c: Any) -> TensorSpec:
+            dtype = _dtype(c.dtype)
+            if self.compute_dtype is not None and dtype.is_floating_point:
+                dtype = self.compute_dtype
+            return TensorSpec(c.shape, dtype)
+
+        boundary = [[spec(c) for c in plan.stages[k].outputs] for k in range(last)]
+        for i, stage in self.stages.items():
+            if self.compute_dtype is not None or self.activation_checkpointing:
+                _wrap_forward(stage, device_type=self.mesh.device.type, compute_dtype=self.compute_dtype,
+                              cast_outputs=i != last, recompute=self.activation_checkpointing)
+        self.timeline = Timeline(self.mesh.rank, cuda_events=self.mesh.device.type == "cuda") \
+            if self.record_timeline else None
+        self.loss_scale: float = 1.0
+        input_specs = [TensorSpec(s, d) for s, d in zip(self.traced.input_shapes, self.traced.input_dtypes)]
+        self.driver = PipelineDriver(
+            self.stages, boundary, pp=plan.pp, chunks=plan.chunks, pp_rank=self.mesh.pp_rank,
+            pp_group=self.mesh.pp_group, schedule=self.schedule, microbatches=plan.microbatches,
+            loss_fn=self._scaled_loss, postprocess=self.traced.unflatten_output, device=self.mesh.device,
+            timeline=self.timeline, input_specs=input_specs, deadline=self.deadline,
+        )
+
+    def _scaled_loss(self, output: Any, target: Any) -> torch.Tensor:
+        loss = self.loss_fn(output, target)
+        return loss * self.loss_scale if self.loss_scale != 1.0 else loss
+
+
+@dataclass
+class StepResult:
+    grad_norm: float | None
+    skipped: bool
+    loss_scale: float
+
+
+class ParallelModel:
+    """A model split over a (pp, dp, tp) mesh. See ``autopipe.parallelize``."""
+
+    def __init__(self, model: nn.Module, runtime: StageRuntime, *, shard_plan: Any = None, fp16: bool = False):
+        self._model = model
+        self._runtime = runtime
+        self._shard_plan = shard_plan
+        self._scaler = LossScaler() if fp16 else None
+        if self._scaler is not None:
+            runtime.loss_scale = self._scaler.scale
+        mesh = runtime.mesh
+        self._mesh = mesh
+        # What the user's model looked like when it was parallelized: full_state_dict checks it.
+        self._signature = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        self._sync_replicas()
+
+    # ----------------------------------------------------------------------------- layout
+    @property
+    def plan(self) -> PartitionPlan:
+        return self._runtime.plan
+
+    @property
+    def shard_plan(self) -> Any:
+        return self._shard_plan
+
+    @property
+    def dp_rank(self) -> int:
+        return self._mesh.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        return self._mesh.dims.dp
+
+    @property
+    def pp_rank(self) -> int:
+        return self._mesh.pp_rank
+
+    @property
+    def tp_rank(self) -> int:
+        return self._mesh.tp_rank
+
+    @property
+    def device(self) -> torch.device:
+        return self._mesh.device
+
+    @property
+    def is_last_stage(self) -> bool:
+        """Whether this rank runs the last stage (where losses and outputs are)."""
+        return (self.plan.num_stages - 1) in self._runtime.stages
+
+    @property
+    def stages(self) -> dict[int, nn.Module]:
+        return self._runtime.stages
+
+    @property
+    def timeline(self) -> Timeline | None:
+        return self._runtime.timeline
+
+    def report(self) -> PartitionPlan:
+        """The partition plan: ``print(pm.report())`` for the table, ``.to_json()``, ``plot``."""
+        return self.plan
+
+    # ----------------------------------------------------------------------------- parameters
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters (sharded ones local), under the original model's names."""
+        for s in sorted(self._runtime.stages):
+            yield from self._runtime.stages[s].named_parameters()
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        for _, p in self.named_parameters():
+            yield p
+
+    def _counted_parameters(self) -> list[nn.Parameter]:
+        """Parameters whose gradients this rank alone contributes to global norms."""
+        out = []
+        for name, p in self.named_parameters():
+            ps = self._shard_plan.params.get(name) if self._shard_plan is not None else None
+            if (ps is not None and ps.sharded) or self.tp_rank == 0:
+                out.append(p)
+        return out
+
+    def train(self, mode: bool = True) -> "ParallelModel":
+        self._runtime.driver.train(mode)
+        return self
+
+    def eval(self) -> "ParallelModel":
+        return self.train(False)
+
+    # ----------------------------------------------------------------------------- steps
+    def train_step(self, inputs: Any, targets: Any, *, return_outputs: bool = False) -> Any:
+        """Forward and backward of this dp replica's batch, split into the plan's micro-batches.
+
+        Leaves in ``.grad`` the gradients of the mean loss over the global batch (every dp
+        replica), so ``optimizer.step()`` matches single-process training. Returns this
+        replica's mean loss on every rank (and, with ``return_outputs``, the outputs on the
+        last stage's ranks, None elsewhere).
+        """
+        inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+        if isinstance(targets, torch.Tensor) and inputs and targets.shape[0] != inputs[0].shape[0]:
+            raise InputError(
+                f"targets batch {targets.shape[0]} does not match inputs batch {inputs[0].shape[0]}; "
+                "pass one target per sample"
+            )
+        result = self._runtime.driver.train_step(inputs, targets, return_outputs=return_outputs)
+        loss = result[0] if return_outputs else result
+        if self._scaler is not None:
+            loss = loss / self._scaler.scale
+        average_gradients(self.parameters(), self._mesh.dp_group, self.dp_size)
+        return (loss, result[1]) if return_outputs else loss
+
+    @torch.no_grad()
+    def eval_step(self, inputs: Any) -> Any:
+        """Forward only, keeping no activations; the model's outputs (a ModelOutput stays one)
+        on the ranks of the last stage, None on the others. Uses the current train/eval mode."""
+        inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+        return self._runtime.driver.eval_step(inputs)
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip gradients by their global L2 norm over the whole model; returns the norm."""
+        norm = global_grad_norm(self._counted_parameters(), [self._mesh.pp_group, self._mesh.tp_group],
+                                self.device)
+        clip_gradients(self.parameters(), norm, max_norm)
+        return float(norm)
+
+    def step(self, optimizer: torch.optim.Optimizer, *, max_norm: float | None = None) -> StepResult:
+        """Unscale (fp16), skip on overflow (the same decision on every rank), clip, step."""
+        skipped = False
+        if self._scaler is not None:
+            skipped = self._scaler.found_inf(self.parameters(), None, self.device)
+        norm = None
+        if not skipped:
+            if max_norm is not None:
+                norm = self.clip_grad_norm_(max_norm)
+            optimizer.step()
+        if self._scaler is not None:
+            self._scaler.update(skipped)
+            self._runtime.loss_scale = self._scaler.scale
+        return StepResult(norm, skipped, self._scaler.scale if self._scaler else 1.0)
+
+    # ----------------------------------------------------------------------------- state
+    def _sync_replicas(self) -> None:
+        """dp replicas start from rank 0's values, as DistributedDataParallel does."""
+        group = self._mesh.dp_group
+        if group is None or self.dp_size == 1:
+            return
+        src = dist.get_global_rank(group, 0)
+        for s in sorted(self._runtime.stages):
+            for t in self._runtime.stages[s].state_dict().values():
+                dist.broadcast(t, src=src, group=group)
+
+    def _local_full_state(self) -> dict[str, torch.Tensor]:
+        """This pp rank's share of the full state_dict (tp shards merged), on CPU."""
+        out: dict[str, torch.Tensor] = {}
+        for s in sorted(self._runtime.stages):
+            stage = self._runtime.stages[s]
+            if self._shard_plan is not None:
+                from .shard import gather_full_state_dict
+
+                sd = gather_full_state_dict(stage, self._shard_plan, self._mesh.tp_group)
+            else:
+                sd = stage.state_dict()
+            out.update({k: v.detach().cpu().clone() for k, v in sd.items()})
+        return out
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The unmodified model's state_dict (its keys, full shapes) on every rank, on CPU.
+
+        Loads with ``strict=True`` into a fresh instance of the model. Collective.
+        """
+        current = {k: tuple(v.shape) for k, v in self._model.state_dict().items()}
+        if current != self._signature:
+            changed = sorted(set(current) ^ set(self._signature)) or \
+                sorted(k for k in current if current[k] != self._signature.get(k))
+            raise CheckpointError(
+                f"the model was changed after parallelize() ({', '.join(changed[:5])}...); its stages "
+                "no longer match it. Call parallelize() again on the changed model"
+            )
+        local = self._local_full_state()
+        group = self._mesh.pp_group
+        if group is not None and dist.get_world_size(group) > 1:
+            parts: list[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(parts, local, group=group)
+            for part in parts:
+                local.update(part)
+        missing = sorted(set(self._signature) - set(local))
+        if missing:
+            raise CheckpointError(f"state for {', '.join(missing[:5])} is held by no stage")
+        return {k: local[k] for k in self._signature}
+
+    def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Load a full (unsharded) state_dict, e.g. a timm or transformers checkpoint."""
+        missing = sorted(set(self._signature) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(self._signature))
+        if missing or unexpected:
+            raise CheckpointError(
+                f"state_dict does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            )
+        for s in sorted(self._runtime.stages):
+            stage = self._runtime.stages[s]
+            keys = stage.state_dict().keys()
+            sub = {k: state_dict[k] for k in keys}
+            if self._shard_plan is not None:
+                from .shard import shard_state_dict
+
+                sub = shard_state_dict(sub, self._shard_plan, self.tp_rank)
+            stage.load_state_dict(sub, strict=True)

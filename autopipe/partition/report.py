@@ -1,0 +1,192 @@
+"""A partition plan for people: an aligned text table (what ``str(plan)`` prints) and a figure.
+
+Reads only the plan's plain data, so a plan loaded back from JSON renders the same way; the
+figure needs matplotlib (``pip install 'autopipe[report]'``), the table nothing.
+"""
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Sequence
+
+from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from .plan import CutTensor, PartitionPlan, StagePlan
+
+__all__ = ["format_table", "plot", "human_count", "human_flops", "human_bytes", "format_cut"]
+
+# A cut listed tensor by tensor while it has this many tensors and fits in this many characters;
+# past that the cell says "5 tensors, 1.5 MiB" so one long residual list cannot widen the table.
+_CUT_MAX_TENSORS = 2
+_CUT_MAX_CHARS = 64
+_MODULE_MAX_CHARS = 48
+
+_OPTIMIZER_NOTE = "params/grads/optimizer state"
+
+
+def human_count(n: float) -> str:
+    """``86_567_656 -> "86.6M"``: parameter counts in K, M, B."""
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(n) >= div:
+            return f"{n / div:.1f}{unit}"
+    return f"{n:.0f}"
+
+
+def human_flops(f: float) -> str:
+    """``3.5e12 -> "3.50 TFLOP"``; three significant figures from MFLOP up to PFLOP."""
+    for div, unit in ((1e15, "PFLOP"), (1e12, "TFLOP"), (1e9, "GFLOP"), (1e6, "MFLOP")):
+        if abs(f) >= div:
+            return f"{_three_figures(f / div)} {unit}"
+    return f"{f:.0f} FLOP"
+
+
+def human_bytes(b: float) -> str:
+    """Binary units, as memory is sized: ``1536 -> "1.5 KiB"``."""
+    for div, unit in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if abs(b) >= div:
+            return f"{b / div:.1f} {unit}"
+    return f"{b:.0f} B"
+
+
+def _three_figures(x: float) -> str:
+    return f"{x:.2f}" if abs(x) < 10 else f"{x:.1f}" if abs(x) < 100 else f"{x:.0f}"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms" if seconds < 10 else f"{seconds:.1f} s"
+
+
+def _tensor(t: CutTensor) -> str:
+    return f"{t.name}[{','.join(map(str, t.shape))}] {t.dtype} {human_bytes(t.nbytes)}"
+
+
+def format_cut(tensors: Sequence[CutTensor]) -> str:
+    """The tensors a stage sends on: each as ``name[shape] dtype bytes``, or a count when long."""
+    if not tensors:
+        return "-"
+    listed = ", ".join(_tensor(t) for t in tensors)
+    if len(tensors) <= _CUT_MAX_TENSORS and len(listed) <= _CUT_MAX_CHARS:
+        return listed
+    total = sum(t.nbytes for t in tensors)
+    noun = "tensor" if len(tensors) == 1 else "tensors"
+    return f"{len(tensors)} {noun}, {human_bytes(total)}"
+
+
+def _shorten(text: str, width: int) -> str:
+    # Cut in the middle: both ends of a module path say where a stage lies.
+    if len(text) <= width:
+        return text
+    half = (width - 1) // 2
+    return text[:half] + "…" + text[len(text) - (width - 1 - half):]
+
+
+def _range(first: str, last: str) -> str:
+    return first if first == last else f"{first}..{last}"
+
+
+def _stage_row(stage: StagePlan, mean: float) -> list[str]:
+    nodes = _range(stage.nodes[0], stage.nodes[-1]) if stage.nodes else "-"
+    modules = _range(*stage.modules) if any(stage.modules) else "(root)"
+    return [
+        str(stage.index),
+        f"{stage.pp_rank}/{stage.chunk}",
+        f"{nodes} ({len(stage.nodes)})",
+        _shorten(modules, _MODULE_MAX_CHARS),
+        human_count(stage.params),
+        human_flops(stage.flops),
+        _ms(stage.cost),
+        _ms(stage.comm_time),
+        human_bytes(stage.activation_bytes),
+        human_bytes(stage.memory_bytes),
+        format_cut(stage.outputs),
+        f"{stage.cost / mean:.3f}x" if mean > 0 else "-",
+    ]
+
+
+_HEADINGS = [
+    "stage", "rank/chunk", "nodes (count)", "modules", "params", "fwd+bwd",
+    "time", "of it comm", "activations", "memory", "cut at end", "vs mean",
+]  # fmt: skip
+_LEFT = {2, 3, 10}  # text columns; numbers align right
+
+
+def _header(plan: PartitionPlan) -> str:
+    """One line saying what was planned and how well it balances."""
+    stages = plan.pp * plan.chunks
+    return (
+        f"{plan.model or '(model)'}: route {plan.route}, pp {plan.pp} x chunks {plan.chunks} x tp {plan.tp}"
+        f" = {stages} stage{'s' if stages != 1 else ''}, {plan.microbatches} micro-batch"
+        f"{'es' if plan.microbatches != 1 else ''} of size {plan.microbatch_size}, balance {plan.balance},"
+        f" device {plan.device}, schedule {plan.schedule}, {human_count(plan.total_params)} params,"
+        f" imbalance {plan.imbalance:.3f} (max/mean)"
+    )
+
+
+def format_table(plan: PartitionPlan) -> str:
+    """The plan as a header line and one aligned row per stage (times per micro-batch)."""
+    costs = [s.cost for s in plan.stages]
+    mean = sum(costs) / len(costs) if costs else 0.0
+    rows = [_HEADINGS] + [_stage_row(s, mean) for s in plan.stages]
+    widths = [max(len(r[c]) for r in rows) for c in range(len(_HEADINGS))]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(
+            cell.ljust(w) if c in _LEFT else cell.rjust(w) for c, (cell, w) in enumerate(zip(cells, widths))
+        ).rstrip()
+
+    body = [line(rows[0]), line(["-" * w for w in widths])] + [line(r) for r in rows[1:]]
+    notes = (
+        "time: modelled forward+backward of one micro-batch, communication included; memory: "
+        f"{_OPTIMIZER_NOTE} plus activations of the micro-batches in flight"
+    )
+    return "\n".join([_header(plan), *body, notes])
+
+
+def _in_flight(plan: PartitionPlan) -> int:
+    # Mirrors partition(): GPipe keeps every micro-batch's activations, 1F1B about one per stage.
+    return plan.microbatches if plan.schedule == "gpipe" else min(plan.microbatches, plan.pp * plan.chunks)
+
+
+def plot(plan: PartitionPlan, path: str | os.PathLike[str]) -> None:
+    """Draw per-stage time (compute + communication, mean line) and memory; format from ``path``.
+
+    ``.png``, ``.svg`` and ``.pdf`` work; the figure is drawn without pyplot, so it neither needs
+    a display nor changes the caller's matplotlib backend.
+    """
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise ConfigError("plotting a plan needs matplotlib: pip install 'autopipe[report]'") from exc
+    ext = os.path.splitext(os.fspath(path))[1].lower().lstrip(".")
+    if ext not in ("png", "svg", "pdf"):
+        raise ConfigError(f"figure path {os.fspath(path)!r} must end in .png, .svg or .pdf")
+
+    x = [s.index for s in plan.stages]
+    compute = [s.compute_time * 1e3 for s in plan.stages]
+    comm = [s.comm_time * 1e3 for s in plan.stages]
+    mean = sum(s.cost for s in plan.stages) * 1e3 / max(len(plan.stages), 1)
+    in_flight = _in_flight(plan)
+    activations = [s.activation_bytes * in_flight / 2**30 for s in plan.stages]
+    # The partitioner adds state and activations; what is not activations is training state.
+    state = [max(s.memory_bytes / 2**30 - a, 0.0) for s, a in zip(plan.stages, activations)]
+
+    fig = Figure(figsize=(max(8.0, 0.45 * len(x) + 6), 4.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax_time, ax_mem = fig.subplots(1, 2)
+    ax_time.bar(x, compute, label="compute", color="#4c72b0")
+    ax_time.bar(x, comm, bottom=compute, label="communication", color="#dd8452")
+    ax_time.axhline(mean, color="black", linestyle="--", linewidth=1, label=f"mean {mean:.2f} ms")
+    ax_time.set(xlabel="stage", ylabel="ms per micro-batch (fwd+bwd)", title=f"time, imbalance {plan.imbalance:.3f}")
+    ax_mem.bar(x, state, label=_OPTIMIZER_NOTE, color="#55a868")
+    ax_mem.bar(x, activations, bottom=state, label=f"activations ({in_flight} in flight)", color="#c44e52")
+    ax_mem.set(xlabel="stage", ylabel="GiB", title="memory per stage")
+    for ax in (ax_time, ax_mem):
+        ax.set_xticks(x)
+        ax.legend(fontsize="small")
+    fig.suptitle(
+        f"{plan.model}: pp {plan.pp} x chunks {plan.chunks} x tp {plan.tp}, {plan.microbatches} x "
+        f"{plan.microbatch_size}, balance {plan.balance}, {plan.device}",
+        fontsize="medium",
+    )
+    fig.savefig(path, format=ext)

@@ -1,0 +1,109 @@
+"""``plan_model()``: from a model (or a model spec) to a :class:`PartitionPlan`, without processes.
+
+The one path the CLI and the python API share: validate the degrees, trace one micro-batch on
+the meta device, price the nodes (sharded when tp > 1), cut into stages.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+import torch.nn as nn
+
+from .errors import ConfigError
+from .models import default_input, load_model
+from .partition.partitioner import partition
+from .partition.plan import PartitionPlan
+from .runtime.schedule import validate as validate_schedule
+from .tracer import TracedModel, trace
+
+__all__ = ["plan_model", "microbatch_size", "default_schedule"]
+
+
+def microbatch_size(batch: int, microbatches: int) -> int:
+    """``batch // microbatches``, or a :class:`ConfigError` naming both when it does not divide."""
+    for name, value in (("batch", batch), ("microbatches", microbatches)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    if batch % microbatches:
+        down, up = batch // microbatches * microbatches, -(-batch // microbatches) * microbatches
+        near = sorted({b for b in (down, up) if b})
+        raise ConfigError(
+            f"batch {batch} does not split into {microbatches} equal micro-batches "
+            f"({batch} % {microbatches} = {batch % microbatches}); use a batch divisible by "
+            f"{microbatches} ({' or '.join(map(str, near))}) or microbatches dividing {batch}"
+        )
+    return batch // microbatches
+
+
+def default_schedule(chunks: int) -> str:
+    """1F1B for one chunk per rank, its interleaved form for several."""
+    return "1f1b" if chunks == 1 else "interleaved_1f1b"
+
+
+def _sharded_costs(traced: TracedModel, tp: int) -> Mapping[str, Any] | None:
+    """Per-node costs under tensor parallelism of degree ``tp``; None means unsharded costs.
+
+    The seam for shard/: once a ShardPlan exists it prices each node under its sharding
+    (compute divided by tp, all-reduces added) and returns the costs that partition() takes.
+    """
+    del traced, tp  # Unsharded costs until shard/ lands: the plan records tp but prices tp=1.
+    return None
+
+
+def plan_model(
+    model: nn.Module | str,
+    *,
+    pp: int,
+    chunks: int = 1,
+    tp: int = 1,
+    microbatches: int = 1,
+    batch: int | None = None,
+    example_inputs: Sequence[torch.Tensor] | None = None,
+    image_size: int | None = None,
+    balance: str | Sequence[str] = "cost",
+    device: str = "h100",
+    schedule: str | None = None,
+    mem_cap: float | None = None,
+    model_name: str | None = None,
+    route: str = "auto",
+    leaf_modules: Iterable[type | str] = (),
+) -> PartitionPlan:
+    """Plan ``model`` for ``pp`` x ``chunks`` stages of ``tp``-way tensor parallelism.
+
+    ``model`` is an ``nn.Module`` (best built on the meta device) or a spec for
+    :func:`autopipe.models.load_model`. Give ``example_inputs`` for one micro-batch, or the
+    global ``batch`` (split into ``microbatches``) and an image batch is made for it.
+    ``mem_cap`` is in bytes per stage; ``schedule`` defaults to :func:`default_schedule`.
+    """
+    schedule = schedule or default_schedule(chunks)
+    # Refuse a schedule that cannot run before the (slower) trace, with the schedule's own reason.
+    validate_schedule(schedule, pp, microbatches, chunks)
+    if isinstance(model, str):
+        name = model_name or model
+        model = load_model(model, image_size=image_size)
+    else:
+        name = model_name or type(model).__name__
+    if example_inputs is None:
+        if batch is None:
+            raise ConfigError("plan_model needs example_inputs (one micro-batch) or batch (the global batch)")
+        example_inputs = (default_input(model, microbatch_size(batch, microbatches), image_size=image_size),)
+    elif batch is not None:
+        raise ConfigError("give plan_model example_inputs or batch, not both")
+    if mem_cap is not None and not mem_cap > 0:
+        raise ConfigError(f"mem_cap must be a positive number of bytes, got {mem_cap!r}")
+
+    traced = trace(model, tuple(example_inputs), route=route, leaf_modules=leaf_modules)
+    return partition(
+        traced,
+        pp,
+        chunks,
+        tp=tp,
+        microbatches=microbatches,
+        balance=balance,
+        device=device,
+        schedule=schedule,
+        mem_cap=mem_cap,
+        costs=_sharded_costs(traced, tp),
+        model_name=name,
+    )

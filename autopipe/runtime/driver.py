@@ -1,0 +1,333 @@
+"""The stage driver: runs one rank's share of a pipeline schedule over its local stages.
+
+The schedule is compiled once into a list of bound steps; a train step splits the batch, runs
+the steps, and leaves parameter gradients of the mean loss in ``.grad`` on every rank.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.distributed_c10d import _get_default_store
+from torch.utils import _pytree as pytree
+
+from autopipe.errors import ConfigError, InputError, ScheduleError
+from autopipe.runtime.failure import DEFAULT_DEADLINE, FailureMonitor, failure_key
+from autopipe.runtime.microbatch import merge, split_inputs, split_targets
+from autopipe.runtime.p2p import P2P, BufferPool, TensorSpec, Transfer, check_boundary, floating_indices
+from autopipe.runtime.schedule import ActionKind, rank_actions, validate
+from autopipe.runtime.timeline import Timeline
+
+__all__ = ["PipelineDriver"]
+
+# pp: pipeline ranks; m: micro-batches; S = pp * chunks stages, stage s on rank s % pp.
+F, B = ActionKind.FORWARD, ActionKind.BACKWARD
+SENDS = (ActionKind.SEND_ACT, ActionKind.SEND_GRAD)
+_LABELS = {  # how errors name a transfer; completed with "pipeline rank <peer>"
+    ActionKind.SEND_ACT: "send of stage {s}'s output (micro-batch {mb}) to",
+    ActionKind.RECV_ACT: "receive of stage {s}'s input (micro-batch {mb}) from",
+    ActionKind.SEND_GRAD: "send of the gradient of stage {s}'s input (micro-batch {mb}) to",
+    ActionKind.RECV_GRAD: "receive of the gradient of stage {s}'s output (micro-batch {mb}) from",
+}
+Step = tuple[Callable[[Any, Any], None], Any, Any]
+
+
+class PipelineDriver:
+    """Runs ``schedule`` over this rank's ``stages`` (``{stage index: module}``).
+
+    Construction is collective over ``pp_group`` (every pipeline rank builds its driver, in the
+    same order as its other drivers). ``boundary_specs[k]`` lists the tensors between stages k
+    and k + 1 for one micro-batch; ``input_specs`` (optional) the model inputs', checked at
+    every step. With pp = 1 all stages are local and tensors are handed over in memory.
+    ``store``/``deadline`` tune failure propagation (see [Note: failure propagation]).
+    """
+
+    def __init__(
+        self,
+        stages: dict[int, nn.Module],
+        boundary_specs: Sequence[Sequence[TensorSpec]],
+        *,
+        pp: int,
+        chunks: int,
+        pp_rank: int,
+        pp_group: dist.ProcessGroup | None,
+        schedule: str,
+        microbatches: int,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        postprocess: Callable[[tuple[torch.Tensor, ...]], Any],
+        device: torch.device | str,
+        timeline: Timeline | None = None,
+        input_specs: Sequence[TensorSpec] | None = None,
+        store: dist.Store | None = None,
+        deadline: float = DEFAULT_DEADLINE,
+    ) -> None:
+        validate(schedule, pp, microbatches, chunks)
+        n = pp * chunks
+        _check_layout(stages, boundary_specs, pp, chunks, pp_rank, pp_group)
+        self.stages = stages
+        self.pp, self.chunks, self.pp_rank, self.group = pp, chunks, pp_rank, pp_group
+        self.schedule, self.microbatches = schedule, microbatches
+        self.loss_fn, self.postprocess = loss_fn, postprocess
+        self.device = torch.device(device)
+        self.timeline, self.input_specs = timeline, input_specs
+        self._last = n - 1
+        self._specs = [list(b) for b in boundary_specs]
+        self._in_float = {s: floating_indices(self._specs[s - 1]) if s else () for s in stages}
+        self._out_float = {s: floating_indices(self._specs[s]) if s < n - 1 else () for s in stages}
+        self.p2p = P2P(pp_group) if pp > 1 else None
+        self.pool = BufferPool(self.device)
+        # CPU tensors travel over gloo, whose p2p works finish only inside wait().
+        self.monitor = FailureMonitor(
+            pp_rank,
+            (store if store is not None else _get_default_store()) if pp > 1 else None,
+            failure_key(pp_group) if pp > 1 else "",
+            deadline=deadline,
+            threaded=self.device.type == "cpu",
+        )
+        self._train_program = None if schedule == "forward_only" else self._compile(schedule)
+        self._eval_program = self._compile("forward_only")
+        self._reset()
+        if pp > 1:
+            self._last_global = self.p2p.global_rank(self._last % pp)
+            # Brings up the group's communicator (NCCL needs every rank in the first batched
+            # p2p call) and proves that every rank built its driver.
+            with self.monitor.guard():
+                work = dist.all_reduce(torch.zeros(1, device=self.device), group=pp_group, async_op=True)
+                self.monitor.wait([work], "start-up all-reduce of the pipeline group")
+
+    def train(self, mode: bool = True) -> PipelineDriver:
+        """Sets train/eval mode of every local stage (dropout, batch norm)."""
+        for module in self.stages.values():
+            module.train(mode)
+        return self
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """Parameters of the local stages, for the optimizer."""
+        for s in sorted(self.stages):
+            yield from self.stages[s].parameters()
+
+    def train_step(self, inputs: Sequence[torch.Tensor] | None, targets: Any = None, *,
+                   return_outputs: bool = False) -> Any:
+        """Forward and backward of one batch; returns the mean loss (float32 scalar) on every rank.
+
+        ``inputs`` is needed on the rank of stage 0, ``targets`` on the rank of the last stage;
+        others may pass None (what is given is checked everywhere). Gradients of the mean loss
+        over the batch accumulate in ``.grad``; the caller steps the optimizer. With
+        ``return_outputs=True`` returns ``(loss, outputs)``: the postprocessed outputs of the
+        whole batch on the last stage's rank, None elsewhere.
+        """
+        if self._train_program is None:
+            raise ScheduleError("schedule 'forward_only' has no backward; call eval_step, or build the "
+                                "driver with schedule='gpipe', '1f1b' or 'interleaved_1f1b'")
+        try:
+            with self.monitor.guard():
+                self._prepare(inputs, targets, grad=True, keep=return_outputs)
+                self._run(self._train_program)
+                loss = self._broadcast_loss()
+                outputs = self._collect() if return_outputs else None
+        finally:
+            self._reset()
+        return (loss, outputs) if return_outputs else loss
+
+    def eval_step(self, inputs: Sequence[torch.Tensor] | None) -> Any:
+        """The "forward_only" schedule under no_grad, keeping no activations.
+
+        Returns the postprocessed outputs of the whole batch on the last stage's rank and None
+        on every other rank. Train/eval mode of the stages is left as it is (see :meth:`train`).
+        """
+        try:
+            with self.monitor.guard(), torch.no_grad():
+                self._prepare(inputs, None, grad=False, keep=True)
+                self._run(self._eval_program)
+                return self._collect()
+        finally:
+            self._reset()
+
+    def _compile(self, schedule: str) -> list[Step]:
+        """Bound steps for the action list; the transfers between two computes form one batch
+        (see [Note: coalesced transfers] in p2p.py)."""
+        steps: list[Step] = []
+        batch: list[tuple] = []
+        for a in rank_actions(schedule, self.pp, self.microbatches, self.chunks, self.pp_rank):
+            s, mb = a.stage, a.microbatch
+            if a.kind is F or a.kind is B:
+                if batch:
+                    steps.append((self._transfer, tuple(batch), None))
+                    batch = []
+                steps.append((self._forward if a.kind is F else self._backward, s, mb))
+                continue
+            peer = (s + 1 if a.kind in (ActionKind.SEND_ACT, ActionKind.RECV_GRAD) else s - 1) % self.pp
+            what = _LABELS[a.kind].format(s=s, mb=mb) + f" pipeline rank {peer}"
+            batch.append((a.kind, s, mb, peer, what))
+        if batch:
+            steps.append((self._transfer, tuple(batch), None))
+        return steps
+
+    def _reset(self) -> None:
+        self._inputs: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> inputs handed over locally
+        self._grads: dict[tuple[int, int], list] = {}  # (stage, mb) -> output grads handed over locally
+        self._recv: dict[tuple, tuple] = {}  # (kind, stage, mb) -> (buffers, handle)
+        self._saved: dict[tuple[int, int], tuple] = {}  # what backward needs; it frees it
+        self._outbox: dict[tuple[int, int], Sequence[torch.Tensor]] = {}
+        self._sends: deque = deque()  # (Pending, Handle) of posted sends, oldest first
+        self._losses: list[torch.Tensor] = []
+        self._outputs: dict[int, tuple] = {}
+        self._mb_inputs: list[tuple] = []
+        self._targets: list[Any] = []
+
+    def _prepare(self, inputs: Any, targets: Any, *, grad: bool, keep: bool) -> None:
+        m = self.microbatches
+        self._grad, self._keep = grad, keep
+        if inputs is None and 0 in self.stages:
+            raise InputError(f"pipeline rank {self.pp_rank} holds stage 0 and needs the inputs; got None")
+        batch = None
+        if inputs is not None:
+            inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+            if 0 in self.stages:
+                inputs = tuple(x.to(self.device, non_blocking=True) for x in inputs)
+            # Ranks without stage 0 check too, so that a bad batch fails on every rank alike.
+            self._mb_inputs = split_inputs(inputs, m, self.input_specs)
+            batch = inputs[0].shape[0]
+        if grad and self._last in self.stages:
+            targets = pytree.tree_map_only(torch.Tensor, lambda t: t.to(self.device, non_blocking=True), targets)
+        if grad:
+            self._targets = split_targets(targets, m, batch)
+
+    def _run(self, program: list[Step]) -> None:
+        for step, a, b in program:
+            step(a, b)
+        while self._sends:
+            pending, handle = self._sends.popleft()
+            self.monitor.wait(pending, handle.what)
+
+    def _wait(self, handle: Any, action: str, s: int, mb: int) -> None:
+        mark = self.timeline.begin() if self.timeline is not None else None
+        self.monitor.wait(handle.works, handle.what)
+        if self.timeline is not None:
+            self.timeline.end(mark, action, s, mb)
+
+    def _forward(self, s: int, mb: int) -> None:
+        bufs = None
+        if s == 0:
+            args = self._mb_inputs[mb]
+        elif (ActionKind.RECV_ACT, s, mb) in self._recv:
+            bufs, handle = self._recv.pop((ActionKind.RECV_ACT, s, mb))
+            self._wait(handle, "RECV_ACT", s, mb)
+            args = tuple(bufs)
+        else:
+            args = self._inputs.pop((s, mb))
+        if self._grad and s:
+            # Received activations become leaves: backward stops here and leaves their .grad.
+            args = tuple(x.detach().requires_grad_(True) if x.is_floating_point() else x for x in args)
+        mark = self.timeline.begin() if self.timeline is not None else None
+        outputs = self.stages[s](*args)
+        if isinstance(outputs, torch.Tensor):
+            outputs = (outputs,)
+        roots: tuple = outputs
+        if s == self._last:
+            if self._grad:
+                loss = self.loss_fn(self.postprocess(outputs), self._targets[mb])
+                if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                    raise ConfigError(f"loss_fn must return a scalar tensor, got {getattr(loss, 'shape', loss)!r}")
+                self._losses.append(loss.detach())
+                roots = (loss / self.microbatches,)
+            if self._keep:
+                self._outputs[mb] = tuple(o.detach() for o in outputs)
+        else:
+            check_boundary(outputs, self._specs[s], s, mb)
+            if (s + 1) % self.pp == self.pp_rank:
+                self._inputs[(s + 1, mb)] = outputs
+            else:
+                self._outbox[(s, mb)] = outputs
+        if self.timeline is not None:
+            self.timeline.end(mark, "F", s, mb)
+        if self._grad:
+            self._saved[(s, mb)] = (args, roots, bufs, outputs)
+        elif bufs is not None:
+            self.pool.release(("act", s), bufs, live=outputs)
+
+    def _backward(self, s: int, mb: int) -> None:
+        args, roots, bufs, outputs = self._saved.pop((s, mb))
+        gbufs = None
+        if s == self._last:
+            pairs = [(r, None) for r in roots if r.requires_grad]
+        else:
+            if (ActionKind.RECV_GRAD, s, mb) in self._recv:
+                gbufs, handle = self._recv.pop((ActionKind.RECV_GRAD, s, mb))
+                self._wait(handle, "RECV_GRAD", s, mb)
+                grads = gbufs
+            else:
+                grads = self._grads.pop((s, mb))
+            pairs = [(roots[i], g) for i, g in zip(self._out_float[s], grads)
+                     if g is not None and roots[i].requires_grad]
+        mark = self.timeline.begin() if self.timeline is not None else None
+        if pairs:
+            torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
+        in_grads = [args[i].grad for i in self._in_float[s]]
+        if s and (s - 1) % self.pp == self.pp_rank:
+            self._grads[(s - 1, mb)] = in_grads
+        elif s:  # static shapes: an input autograd did not reach gets zeros
+            specs = self._specs[s - 1]
+            self._outbox[(s, mb)] = [g if g is not None else self.pool.zeros(specs[i])
+                                     for i, g in zip(self._in_float[s], in_grads)]
+        if self.timeline is not None:
+            self.timeline.end(mark, "B", s, mb)
+        if bufs is not None:  # a stage returning its input hands on (or keeps) the buffer itself
+            self.pool.release(("act", s), bufs, live=outputs)
+        if gbufs is not None:  # autograd may keep a received gradient as a leaf output's .grad
+            self.pool.release(("grad", s), gbufs, live=in_grads + [r.grad for r, _ in pairs if r.is_leaf])
+
+    def _transfer(self, batch: tuple, _: None) -> None:
+        while self._sends and self._sends[0][0].done():
+            self._sends.popleft()  # lets go of the delivered tensors
+        transfers, receives = [], []
+        for kind, s, mb, peer, what in batch:
+            if kind in SENDS:
+                tensors = [t.contiguous() for t in self._outbox.pop((s, mb))]
+            elif kind is ActionKind.RECV_ACT:
+                tensors = self.pool.acquire(("act", s), self._specs[s - 1])
+            else:
+                specs = self._specs[s]
+                tensors = self.pool.acquire(("grad", s), [specs[i] for i in self._out_float[s]])
+            if kind not in SENDS:
+                receives.append((len(transfers), (kind, s, mb), tensors))
+            transfers.append(Transfer(kind in SENDS, tensors, peer, what))
+        handles = self.p2p.post(transfers)
+        for i, key, tensors in receives:
+            self._recv[key] = (tensors, handles[i])
+        # The handle keeps the sent tensors alive until the backend is done with them.
+        self._sends.extend((self.monitor.start(h.works), h) for h in handles if h.send)
+
+    def _broadcast_loss(self) -> torch.Tensor:
+        if self._losses:
+            loss = torch.stack(self._losses).mean().float()
+        else:
+            loss = torch.empty((), dtype=torch.float32, device=self.device)
+        if self.pp > 1:
+            work = dist.broadcast(loss, src=self._last_global, group=self.group, async_op=True)
+            self.monitor.wait([work], f"broadcast of the loss from pipeline rank {self._last % self.pp}")
+        return loss
+
+    def _collect(self) -> Any:
+        if self._last not in self.stages:
+            return None
+        return self.postprocess(merge([self._outputs[mb] for mb in range(self.microbatches)]))
+
+
+def _check_layout(stages: dict[int, nn.Module], boundary_specs: Sequence, pp: int, chunks: int,
+                  pp_rank: int, group: dist.ProcessGroup | None) -> None:
+    n = pp * chunks
+    local = [s for s in range(n) if s % pp == pp_rank]
+    if sorted(stages) != local:
+        raise ConfigError(f"pipeline rank {pp_rank} of pp={pp} with chunks={chunks} holds stages {local}, "
+                          f"but was given stages {sorted(stages)}")
+    if len(boundary_specs) != n - 1:
+        raise ConfigError(f"{n} stages have {n - 1} boundaries, got {len(boundary_specs)} boundary_specs")
+    if pp > 1 and not dist.is_initialized():
+        raise ConfigError(f"pp={pp} needs torch.distributed; call dist.init_process_group first")
+    if pp > 1 and (dist.get_world_size(group) != pp or dist.get_rank(group) != pp_rank):
+        raise ConfigError(f"pp_group has {dist.get_world_size(group)} ranks and this process is its rank "
+                          f"{dist.get_rank(group)}, but pp={pp} and pp_rank={pp_rank} were given")

@@ -1,0 +1,118 @@
+"""Splitting a batch into micro-batches along dim 0, and merging outputs back.
+
+Every check raises :class:`InputError` with the numbers: batch size, m, the planned and given
+shapes. Splits are views; nothing is copied.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch.utils import _pytree as pytree
+
+from autopipe.errors import InputError
+
+__all__ = ["nearest_divisible", "split_inputs", "split_targets", "merge"]
+
+# m: number of micro-batches
+
+
+def nearest_divisible(batch: int, m: int) -> list[int]:
+    """The batch sizes nearest to ``batch`` that split into ``m`` equal micro-batches."""
+    below = batch // m * m
+    return [below, below + m] if below > 0 else [m]
+
+
+def _describe(shape: Sequence[int], dtype: torch.dtype) -> str:
+    return f"{tuple(shape)} {str(dtype).removeprefix('torch.')}"
+
+
+def _batch_size(inputs: Sequence[Any]) -> int:
+    problems = []
+    sizes = []
+    for i, x in enumerate(inputs):
+        if not isinstance(x, torch.Tensor):
+            problems.append(f"input {i} is a {type(x).__name__}, not a tensor")
+        elif x.dim() == 0:
+            problems.append(f"input {i} is a 0-d tensor; inputs need a batch dimension (dim 0)")
+        else:
+            sizes.append((i, x.shape[0]))
+    if not inputs:
+        problems.append("no inputs were given")
+    if len({n for _, n in sizes}) > 1:
+        listed = ", ".join(f"input {i}: {n}" for i, n in sizes)
+        problems.append(f"inputs disagree on the batch size (dim 0): {listed}")
+    if problems:
+        raise InputError("invalid pipeline inputs:\n" + "\n".join(f"  - {p}" for p in problems))
+    return sizes[0][1]
+
+
+def _check_divisible(batch: int, m: int, what: str) -> int:
+    if batch % m == 0 and batch > 0:
+        return batch // m
+    sizes = " or ".join(map(str, nearest_divisible(batch, m)))
+    raise InputError(
+        f"{what} batch size {batch} does not split into {m} equal micro-batches "
+        f"({batch} % {m} = {batch % m}); use a batch size of {sizes}, "
+        f"or a number of micro-batches that divides {batch}"
+    )
+
+
+def split_inputs(
+    inputs: Sequence[torch.Tensor], m: int, specs: Sequence[Any] | None = None
+) -> list[tuple[torch.Tensor, ...]]:
+    """``m`` tuples of views, one per micro-batch; checked against the planned ``specs``.
+
+    ``specs`` (optional) lists a ``TensorSpec`` per input for one micro-batch, as planned.
+    """
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    batch = _batch_size(inputs)
+    size = _check_divisible(batch, m, "input")
+    if specs is not None:
+        if len(specs) != len(inputs):
+            raise InputError(f"the plan expects {len(specs)} model inputs, got {len(inputs)}")
+        problems = []
+        for i, (x, spec) in enumerate(zip(inputs, specs)):
+            given = (size, *x.shape[1:])
+            if given != tuple(spec.shape) or x.dtype != spec.dtype:
+                problems.append(
+                    f"input {i}: expected micro-batch {_describe(spec.shape, spec.dtype)}, "
+                    f"given {_describe(given, x.dtype)} (batch {batch} in {m} micro-batches)"
+                )
+        if problems:
+            raise InputError(
+                "inputs do not match the planned shapes (plan with an example micro-batch of "
+                "the shapes you train with):\n" + "\n".join(f"  - {p}" for p in problems)
+            )
+    return list(zip(*(x.split(size) for x in inputs)))
+
+
+def split_targets(targets: Any, m: int, batch: int | None = None) -> list[Any]:
+    """``m`` pytrees like ``targets``; tensor leaves split along dim 0, other leaves shared.
+
+    ``batch`` (the inputs' batch size) is checked against every tensor leaf when given.
+    """
+    if targets is None:
+        return [None] * m
+    leaves, spec = pytree.tree_flatten(targets)
+    parts: list[Any] = []
+    for i, leaf in enumerate(leaves):
+        if not isinstance(leaf, torch.Tensor):
+            parts.append([leaf] * m)
+            continue
+        name = "targets" if len(leaves) == 1 else f"targets leaf {i}"
+        if leaf.dim() == 0:
+            raise InputError(f"{name} is a 0-d tensor; targets need a batch dimension (dim 0)")
+        if batch is not None and leaf.shape[0] != batch:
+            raise InputError(
+                f"{name} has batch size {leaf.shape[0]} but the inputs have {batch}; "
+                f"give one target row per input row"
+            )
+        parts.append(leaf.split(_check_divisible(leaf.shape[0], m, name)))
+    return [pytree.tree_unflatten([p[k] for p in parts], spec) for k in range(m)]
+
+
+def merge(outputs: Sequence[Sequence[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
+    """Concatenates per-micro-batch output tuples along dim 0 (0-d outputs are stacked)."""
+    return tuple(torch.cat(ts) if ts[0].dim() else torch.stack(ts) for ts in zip(*outputs))

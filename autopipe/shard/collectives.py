@@ -1,0 +1,156 @@
+"""Megatron's conjugate operators as autograd Functions, called from ``call_function`` nodes.
+
+A node names its process group by a string looked up here at run time, so a sharded
+GraphModule stays printable and picklable; an unset name (``None``) makes every operator
+the identity, which is what a planning graph (no processes, meta device) runs.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch._subclasses.fake_tensor import is_fake
+
+from ..errors import ConfigError
+
+__all__ = [
+    "COLLECTIVES",
+    "register_group",
+    "resolve_group",
+    "copy_to_tp",
+    "reduce_from_tp",
+    "gather_from_tp",
+]
+
+_GROUPS: dict[str, Any] = {}
+
+
+def register_group(name: str, group: Any) -> None:
+    """Make ``name`` resolve to ``group`` (a ProcessGroup, or ``dist.group.WORLD``) in this process."""
+    _GROUPS[name] = group
+
+
+def resolve_group(name: str | None) -> Any:
+    """The group registered under ``name``; ``None`` for an unset name (collectives are identity)."""
+    if name is None:
+        return None
+    try:
+        return _GROUPS[name]
+    except KeyError:
+        raise ConfigError(
+            f"tensor-parallel group {name!r} is not registered in this process; call "
+            f"autopipe.shard.collectives.register_group({name!r}, group) before running the model"
+        ) from None
+
+
+def _world(group: Any) -> int:
+    return dist.get_world_size(group)
+
+
+def _all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
+    # all_reduce works in place: reduce a private contiguous copy, never the caller's tensor.
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=group)
+    return out
+
+
+class _CopyToTP(torch.autograd.Function):
+    """f: identity forward, all-reduce backward (a replicated input feeding a sharded region)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """g: all-reduce forward, identity backward (partial sums leaving a sharded region)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    """All-gather along ``dim`` forward; keep this rank's slice of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+        world = _world(group)
+        ctx.dim, ctx.rank, ctx.world = dim, dist.get_rank(group), world
+        parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(world)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad.chunk(ctx.world, dim=ctx.dim)[ctx.rank].contiguous(), None, None
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def fx_leaf(fn: F) -> F:
+    """Keep ``fn`` one call_function node when a graph is traced again (GraphModule unpickling
+    re-traces its code symbolically): with a Proxy argument, record the call, do not run it."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        proxy = next((a for a in args if isinstance(a, fx.Proxy)), None)
+        if proxy is not None:
+            return proxy.tracer.create_proxy("call_function", wrapper, args, kwargs)
+        return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _shapes_only(x: torch.Tensor) -> bool:
+    # Shape propagation runs the graph on fake or meta tensors: nothing to communicate.
+    return x.device.type == "meta" or is_fake(x)
+
+
+@fx_leaf
+def copy_to_tp(x: torch.Tensor, group_name: str | None = None) -> torch.Tensor:
+    group = None if _shapes_only(x) else resolve_group(group_name)
+    if group is None or _world(group) == 1:
+        return x
+    return _CopyToTP.apply(x, group)
+
+
+@fx_leaf
+def reduce_from_tp(x: torch.Tensor, group_name: str | None = None) -> torch.Tensor:
+    group = None if _shapes_only(x) else resolve_group(group_name)
+    if group is None or _world(group) == 1:
+        return x
+    return _ReduceFromTP.apply(x, group)
+
+
+@fx_leaf
+def gather_from_tp(x: torch.Tensor, dim: int, group_name: str | None = None, tp: int = 1) -> torch.Tensor:
+    """All-gather ``x`` along ``dim``. Without a group it stands in for the gather on one rank:
+    the result has the full shape (``tp`` copies of the local shard), so planning graphs keep
+    the shapes every later step expects."""
+    group = None if _shapes_only(x) else resolve_group(group_name)
+    if group is None:
+        return torch.cat([x] * tp, dim=dim) if tp > 1 else x
+    if _world(group) == 1:
+        return x
+    return _GatherFromTP.apply(x, dim, group)
+
+
+COLLECTIVES = {
+    "copy_to_tp": copy_to_tp,
+    "reduce_from_tp": reduce_from_tp,
+    "gather_from_tp": gather_from_tp,
+}

@@ -1,0 +1,109 @@
+"""Training-step pieces that span the mesh: data-parallel gradient averaging, global
+gradient-norm clipping, and the fp16 dynamic loss scale whose skip decision every rank shares.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+__all__ = ["average_gradients", "global_grad_norm", "clip_gradients", "LossScaler"]
+
+BUCKET_BYTES = 25 * 1024 * 1024
+
+
+def _buckets(params: Sequence[torch.nn.Parameter], limit: int) -> list[list[torch.Tensor]]:
+    buckets: list[list[torch.Tensor]] = []
+    current: list[torch.Tensor] = []
+    size = 0
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        if current and (size + g.numel() * g.element_size() > limit or g.dtype != current[0].dtype):
+            buckets.append(current)
+            current, size = [], 0
+        current.append(g)
+        size += g.numel() * g.element_size()
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def average_gradients(params: Iterable[torch.nn.Parameter], group: dist.ProcessGroup | None, size: int) -> None:
+    """Average ``.grad`` over ``group`` (the dp replicas) in flat buckets, all in flight at once."""
+    if group is None or size == 1:
+        return
+    pending = []
+    for bucket in _buckets(list(params), BUCKET_BYTES):
+        flat = _flatten_dense_tensors(bucket)
+        flat.div_(size)
+        pending.append((dist.all_reduce(flat, group=group, async_op=True), flat, bucket))
+    for work, flat, bucket in pending:
+        work.wait()
+        for g, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+            g.copy_(synced)
+
+
+def global_grad_norm(
+    counted: Sequence[torch.nn.Parameter], groups: Sequence[dist.ProcessGroup | None], device: torch.device
+) -> torch.Tensor:
+    """L2 norm of the gradients of the whole model.
+
+    ``counted`` are this rank's parameters that it alone contributes: its tp shards and, for
+    tensors replicated over tp, those of tp rank 0 only; ``groups`` are summed over (pp, tp).
+    dp replicas hold equal gradients after averaging and are not summed over.
+    """
+    grads = [p.grad for p in counted if p.grad is not None]
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    if grads:
+        total = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
+    for group in groups:
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(total, group=group)
+    return total.sqrt()
+
+
+def clip_gradients(params: Iterable[torch.nn.Parameter], total_norm: torch.Tensor, max_norm: float) -> None:
+    """Scale gradients as ``torch.nn.utils.clip_grad_norm_`` does, given the global norm."""
+    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))
+
+
+@dataclass
+class LossScaler:
+    """fp16 dynamic loss scale: backs off on overflow, grows after ``growth_interval`` good steps."""
+
+    scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    _good_steps: int = 0
+
+    def found_inf(self, params: Iterable[torch.nn.Parameter], group: dist.ProcessGroup | None,
+                  device: torch.device) -> bool:
+        """Unscale gradients in place; True on every rank if any rank saw an inf or NaN."""
+        flag = torch.zeros((), dtype=torch.float32, device=device)
+        inv = 1.0 / self.scale
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(inv)
+                flag = torch.maximum(flag, (~torch.isfinite(p.grad)).any().float())
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return bool(flag.item())
+
+    def update(self, skipped: bool) -> None:
+        if skipped:
+            self.scale = max(self.scale * self.backoff_factor, 1.0)
+            self._good_steps = 0
+            return
+        self._good_steps += 1
+        if self._good_steps % self.growth_interval == 0 and math.isfinite(self.scale * self.growth_factor):
+            self.scale *= self.growth_factor

@@ -1,0 +1,110 @@
+"""``autopipe report``: exit codes, files written, and one clean line for a user's mistake."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+from autopipe.cli import main
+from autopipe.partition.plan import PartitionPlan
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(self.norm(x))
+
+
+class TinyNet(nn.Module):
+    """A 3x8x8 image classifier of eight residual blocks."""
+
+    image_size = 8
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, width, 4, stride=4)
+        self.blocks = nn.Sequential(*[Block(width) for _ in range(8)])
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x).flatten(2).transpose(1, 2)
+        return self.head(self.blocks(x).mean(1))
+
+
+def tiny_net() -> nn.Module:
+    return TinyNet()
+
+
+TINY = f"{__name__}:tiny_net"
+
+
+def test_report_prints_and_writes(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_json, figure = tmp_path / "plan.json", tmp_path / "plan.png"
+    code = main(["report", TINY, "--pp", "2", "--chunks", "2", "--batch", "32", "--microbatches", "4",
+                 "--json", str(out_json), "--figure", str(figure)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "pp 2 x chunks 2 x tp 1" in printed and "4 micro-batches of size 8" in printed
+    assert "schedule interleaved_1f1b" in printed
+    plan = PartitionPlan.from_dict(json.loads(out_json.read_text()))
+    assert plan.num_stages == 4 and plan.microbatch_size == 8 and plan.model == TINY
+    assert figure.stat().st_size > 1000
+
+
+def test_report_split_points_and_balance_modes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["report", TINY, "--pp", "2", "--batch", "4", "--split-points", "blocks.4"]) == 0
+    assert "balance split_points:blocks.4" in capsys.readouterr().out
+    assert main(["report", TINY, "--pp", "4", "--batch", "4", "--balance", "params", "--device", "h200"]) == 0
+    assert "balance params, device h200" in capsys.readouterr().out
+
+
+def test_report_timm_model_with_image_size(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["report", "timm:vit_tiny_patch16_224", "--image-size", "32", "--pp", "2", "--batch", "8",
+                 "--microbatches", "2"])
+    assert code == 0
+    assert "vit_tiny_patch16_224" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["report", "timm:vit_tiny_patch16_22", "--pp", "2", "--batch", "8"],
+         "unknown timm model 'vit_tiny_patch16_22'; close matches: vit_tiny_patch16_224"),
+        (["report", TINY, "--pp", "2", "--batch", "30", "--microbatches", "4"],
+         "batch 30 does not split into 4 equal micro-batches (30 % 4 = 2)"),
+        (["report", TINY, "--pp", "2", "--chunks", "2", "--batch", "8", "--schedule", "1f1b"],
+         "1f1b runs one model chunk per rank, got chunks=2"),
+        (["report", TINY, "--pp", "2", "--batch", "8", "--split-points", "blocks.4,blocks.6"],
+         "--split-points names 2 modules but pp 2 x chunks 1 = 2 stages need 1"),
+        (["report", TINY, "--pp", "2", "--batch", "8", "--split-points", "blocks.44"],
+         "split point 'blocks.44' names no module"),
+        (["report", TINY, "--pp", "2", "--batch", "8", "--device", "tpu"], "unknown device profile 'tpu'"),
+    ],
+)
+def test_user_errors_exit_2_with_one_clean_line(argv: list[str], message: str,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("autopipe: error: ") and message in captured.err
+    assert "Traceback" not in captured.err and captured.out == ""
+
+
+def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["report", TINY, "--batch", "8"]) == 2  # --pp missing
+    assert "--pp" in capsys.readouterr().err
+    assert main(["--help"]) == 0
+
+
+def test_python_dash_m() -> None:
+    result = subprocess.run([sys.executable, "-m", "autopipe", "report", "no_such_package:build", "--pp", "2",
+                             "--batch", "8"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("autopipe: error: model spec 'no_such_package:build': cannot import")
+    assert "Traceback" not in result.stderr

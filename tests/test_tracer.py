@@ -1,0 +1,288 @@
+"""Every tracing route gives a graph that computes what the model computes, in both modes.
+
+"Transparency" as in torchgpipe: outputs and parameter gradients of the traced graph equal the
+unmodified model's, in eval() and in train() with dropout (same seed before each call).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Iterator
+
+import pytest
+import timm
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torchvision
+from transformers import (
+    ResNetConfig,
+    ResNetForImageClassification,
+    SwinConfig,
+    SwinForImageClassification,
+    ViTConfig,
+    ViTForImageClassification,
+)
+
+from autopipe.errors import TraceError
+from autopipe.graph import MODULE_KEY
+from autopipe.tracer import TracedModel, trace
+
+# b: micro-batch size of every example input
+B = 2
+
+
+@pytest.fixture(autouse=True)
+def seed_one_thread() -> Iterator[None]:
+    # Tensors here are tiny: threads cost more than they give, and OpenMP spins on a busy box.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _image() -> torch.Tensor:
+    return torch.randn(B, 3, 32, 32)
+
+
+def _logits(out: Any) -> torch.Tensor:
+    return out.logits if hasattr(out, "logits") else out
+
+
+def _run(fn: Callable[[], Any], seed: int = 1) -> Any:
+    torch.manual_seed(seed)
+    return fn()
+
+
+def _grads(model: nn.Module, fn: Callable[[], Any]) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    _logits(_run(fn)).sum().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_transparent(model: nn.Module, x: torch.Tensor, traced: TracedModel) -> None:
+    gm = traced.gm
+    for training in (False, True):  # eval first: train() forwards move batch-norm running stats
+        model.train(training)
+        expected = _run(lambda: model(x))
+        got = _run(lambda: traced.unflatten_output(gm(x)))
+        assert type(got) is type(expected)  # a transformers ModelOutput comes back as one, .logits and all
+        torch.testing.assert_close(_logits(got), _logits(expected))
+    ref, got = _grads(model, lambda: model(x)), _grads(model, lambda: traced.unflatten_output(gm(x)))
+    assert ref.keys() == got.keys() == {n for n, _ in model.named_parameters()}
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], msg=name)
+    keys, model_keys = set(gm.state_dict()), set(model.state_dict())
+    assert keys <= model_keys, keys - model_keys
+    assert {n for n, _ in model.named_parameters()} <= keys
+    for node in gm.graph.nodes:
+        assert "val" in node.meta and MODULE_KEY in node.meta, node.format_node()
+
+
+def _tiny_vit(**kw: Any) -> ViTForImageClassification:
+    return ViTForImageClassification(ViTConfig(
+        image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, num_labels=10, **kw))
+
+
+def _tiny_swin(**kw: Any) -> SwinForImageClassification:
+    return SwinForImageClassification(SwinConfig(
+        image_size=32, patch_size=2, window_size=4, depths=[2, 2], num_heads=[2, 4], embed_dim=32,
+        num_labels=10, **kw))
+
+
+def _tiny_hf_resnet() -> ResNetForImageClassification:
+    return ResNetForImageClassification(ResNetConfig(
+        embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], num_labels=10))
+
+
+_TINY_VIT = dict(img_size=32, patch_size=8, depth=2, num_classes=10)
+MODELS: dict[str, tuple[Callable[[], nn.Module], str]] = {
+    "timm_vit": (lambda: timm.create_model("vit_tiny_patch16_224", drop_rate=0.1, **_TINY_VIT), "fx"),
+    "timm_deit": (lambda: timm.create_model("deit_tiny_patch16_224", **_TINY_VIT), "fx"),
+    "timm_resnet18": (lambda: timm.create_model("resnet18", num_classes=10), "fx"),
+    "timm_swin": (lambda: timm.create_model(
+        "swin_tiny_patch4_window7_224", img_size=32, patch_size=2, window_size=4, depths=(2, 2),
+        num_heads=(2, 4), embed_dim=32, num_classes=10), "fx"),
+    "timm_convnext_atto": (lambda: timm.create_model("convnext_atto", num_classes=10), "fx"),
+    "timm_mixer": (lambda: timm.models.mlp_mixer.MlpMixer(
+        img_size=32, patch_size=8, num_blocks=2, embed_dim=64, num_classes=10), "fx"),
+    "tv_resnet18": (lambda: torchvision.models.resnet18(num_classes=10), "fx"),
+    "tv_vit": (lambda: torchvision.models.VisionTransformer(
+        image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=32, mlp_dim=64,
+        num_classes=10, dropout=0.1), "fx"),
+    "tv_convnext_tiny": (lambda: torchvision.models.convnext_tiny(num_classes=10), "fx"),
+    "hf_vit_dropout": (lambda: _tiny_vit(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1), "export"),
+    "hf_swin_droppath": (lambda: _tiny_swin(drop_path_rate=0.1, hidden_dropout_prob=0.1), "export"),
+    "hf_resnet": (_tiny_hf_resnet, "export"),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def traced_model(name: str, route: str = "auto") -> tuple[nn.Module, torch.Tensor, TracedModel]:
+    """Each model is traced once per route; tests that only read the graph share it."""
+    torch.manual_seed(0)
+    model, x = MODELS[name][0](), _image()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    traced = trace(model, (x,), route=route)
+    for k, v in model.state_dict().items():  # tracing ran nothing for real: no batch-norm update
+        torch.testing.assert_close(v, before[k], msg=k)
+    return model, x, traced
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_auto_route_is_transparent(name: str) -> None:
+    model, x, traced = traced_model(name)
+    assert traced.route == MODELS[name][1], traced.attempts
+    assert_transparent(model, x, traced)
+
+
+@pytest.mark.parametrize("name", ["tv_resnet18", "tv_vit"])
+def test_export_route_on_fx_models(name: str) -> None:
+    # inplace ReLU, `out += identity`, nn.MultiheadAttention(x, x, x, need_weights=False)
+    model, x, traced = traced_model(name, "export")
+    assert traced.route == "export"
+    assert_transparent(model, x, traced)
+
+
+def test_export_folds_mode_dependent_modules() -> None:
+    gm = traced_model("hf_vit_dropout")[2].gm
+    targets = {n.target for n in gm.graph.nodes if n.op == "call_module"}
+    # nn.Dropout and, since its sdpa dropout_p follows self.training, ViTAttention are calls
+    assert {"vit.embeddings.dropout", "vit.layers.0.dropout", "vit.layers.1.attention"} <= targets
+    names = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert not [t for t in names if "dropout" in t or "_assert" in t or "rand" in t], names
+    assert all(n.meta[MODULE_KEY] == n.target for n in gm.graph.nodes if n.op == "call_module")
+
+    swin = traced_model("hf_swin_droppath")[2].gm
+    assert "swin.encoder.layers.1.blocks.1.drop_path" in {n.target for n in swin.graph.nodes}
+
+
+def test_export_makes_inplace_ops_out_of_place() -> None:
+    gm = traced_model("hf_resnet")[2].gm  # `hidden_state += residual`
+    inplace = [n for n in gm.graph.nodes if getattr(n.target, "_schema", None) and n.target._schema.name.endswith("_")]
+    assert not inplace, inplace
+    assert "_guards_fn" not in {n.target for n in gm.graph.nodes}
+
+
+class _Odd(nn.Module):
+    """What export lifts or bakes in: tensors made in forward, plain tensor attributes, in-place ops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.bn, self.drop = nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.3)
+        self.scale = torch.full((4,), 2.0)
+        self.register_buffer("shift", torch.full((4,), 0.5), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        y = self.drop(self.bn(self.fc(x))) * self.scale + self.shift + torch.tensor([1.0, 2.0, 3.0, 4.0])
+        y = y.relu_()
+        return y, {"sum": y.sum(1)}
+
+
+def test_export_normalises_constants_buffers_and_outputs() -> None:
+    model, x = _Odd(), torch.randn(3, 4)
+    model.bn.eval()  # frozen inside a training model: tracing must leave that mode alone
+    traced = trace(model, (x,), route="export")
+    assert model.training and not model.bn.training
+    assert set(traced.gm.state_dict()) == set(model.state_dict())
+    assert {"fc", "bn", "drop"} <= {n.target for n in traced.gm.graph.nodes if n.op == "call_module"}
+    assert "relu_" not in {getattr(n.target, "__name__", "") for n in traced.gm.graph.nodes}
+    for training in (False, True):
+        model.train(training)
+        model.bn.eval()
+        torch.testing.assert_close(_run(lambda: traced.unflatten_output(traced.gm(x))), _run(lambda: model(x)))
+
+
+def test_export_user_leaf_modules() -> None:
+    model, x = _tiny_vit(), _image()
+    traced = trace(model, (x,), leaf_modules=["vit.layers.0"])
+    assert "vit.layers.0" in {n.target for n in traced.gm.graph.nodes if n.op == "call_module"}
+    assert_transparent(model, x, traced)
+    with pytest.raises(TraceError, match=r"vit\.layers\.0"):
+        trace(model, (x,), route="export", leaf_modules=["vit.layer.0"])
+
+
+def test_meta_device_planning() -> None:
+    with torch.device("meta"):
+        timm_vit = timm.create_model("vit_base_patch16_224")
+        hf_vit = ViTForImageClassification(ViTConfig(num_hidden_layers=4, hidden_dropout_prob=0.1, num_labels=1000))
+        x = torch.randn(B, 3, 224, 224)
+    for model, route in ((timm_vit, "fx"), (hf_vit, "export")):
+        traced = trace(model, (x,))
+        assert traced.route == route
+        assert all(p.is_meta for p in traced.gm.parameters())
+        for node in traced.gm.graph.nodes:
+            assert "val" in node.meta and MODULE_KEY in node.meta
+        out = [n for n in traced.gm.graph.nodes if n.op == "output"][0].args[0][0].meta["val"]
+        assert tuple(out.shape) == (B, 1000) and out.is_meta
+    assert traced.unflatten_output([torch.zeros(B, 1000)]).logits.shape == (B, 1000)
+
+
+RESNET_SEQUENCE = ["conv1", "bn1", "relu", "maxpool", "layer1", "layer2", "layer3", "layer4", "avgpool"]
+
+
+def test_sequence_route() -> None:
+    model, x = torchvision.models.resnet18(num_classes=10), _image()
+    traced = trace(model, (x,), exec_sequence=RESNET_SEQUENCE + [lambda x: torch.flatten(x, 1), "fc"])
+    assert traced.route == "sequence"
+    assert_transparent(model, x, traced)
+    owners = [n.meta[MODULE_KEY] for n in traced.gm.graph.nodes if n.op in ("call_module", "call_function")]
+    assert owners == RESNET_SEQUENCE + ["", "fc"]
+
+    # a partial is unpacked, so the graph shows torch.flatten itself to the cost model
+    partial = functools.partial(torch.flatten, start_dim=1)
+    traced = trace(model, (x,), exec_sequence=RESNET_SEQUENCE + [partial, "fc"])
+    flatten = [n for n in traced.gm.graph.nodes if n.op == "call_function"]
+    assert [(n.target, n.kwargs) for n in flatten] == [(torch.flatten, {"start_dim": 1})]
+    model.eval()
+    torch.testing.assert_close(traced.unflatten_output(traced.gm(x)), model(x))
+
+
+def test_sequence_route_errors() -> None:
+    model, x = torchvision.models.resnet18(num_classes=10), _image()
+    with pytest.raises(TraceError, match=r"'layer_2'.*close matches: layer2"):
+        trace(model, (x,), exec_sequence=["conv1", "layer_2"])
+    with pytest.raises(TraceError, match="empty"):
+        trace(model, (x,), exec_sequence=[])
+    with pytest.raises(TraceError, match=r"fc\.weight"):
+        trace(model, (x,), exec_sequence=RESNET_SEQUENCE)
+
+
+class _Gate(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:  # data-dependent: neither fx nor export can follow it
+            return x * 2
+        return -x
+
+
+class _Gated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.gate = _Gate()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate(self.fc(x))
+
+
+def test_untraceable_model_names_module_and_line() -> None:
+    with pytest.raises(TraceError) as info:
+        trace(_Gated(), (torch.randn(B, 4),))
+    message = str(info.value)
+    for part in ("- fx:", "- export:", "module 'gate'", "if x.sum() > 0:", "leaf_modules", "exec_sequence"):
+        assert part in message, message
+
+
+class _RootDropout(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(self.fc(x), 0.5, self.training)
+
+
+def test_export_rejects_mode_dependent_root() -> None:
+    with pytest.raises(TraceError, match=r"train\(\) and eval\(\)"):
+        trace(_RootDropout(), (torch.randn(B, 4),), route="export")
