@@ -62,18 +62,25 @@ def parallelize(
     profile: str | None = None,
     deadline: float = 300.0,
     record_timeline: bool = False,
+    cuda_graphs: bool = False,
 ) -> ParallelModel:
     """Parallelize ``model`` over the processes torchrun started; returns a :class:`ParallelModel`.
 
     ``example_inputs`` are the model's positional inputs for ONE micro-batch. ``dp`` is
     ``world_size // (pp * tp)``. ``schedule`` defaults to "1f1b" (``interleaved_1f1b`` when
     ``chunks > 1``). ``mixed_precision="bf16"`` runs stages under autocast; "fp16" adds a dynamic
-    loss scale (step with :meth:`ParallelModel.step`).
+    loss scale (step with :meth:`ParallelModel.step`). ``cuda_graphs=True`` captures each
+    stage's forward and backward in CUDA graphs at the first train step and replays them (GPU,
+    tp=1; see autopipe/runtime/graphs.py): worth it where micro-batches are small enough for
+    kernel launches to dominate.
     """
     # 1. Local checks: every rank raises the same error before any collective.
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     schedule = schedule or ("interleaved_1f1b" if chunks > 1 else "1f1b")
+    if cuda_graphs and tp > 1:
+        raise ConfigError(f"cuda_graphs=True with tp={tp}: stages holding tensor-parallel collectives are "
+                          "not captured; use cuda_graphs=False, or tp=1")
     world = dist.get_world_size() if dist.is_initialized() else 1
     dims = ParallelDims(pp, tp, world)
     _check(loss_fn, schedule, pp, chunks, microbatches, mixed_precision)
@@ -100,6 +107,9 @@ def parallelize(
         traced, pp, chunks, tp=tp, microbatches=microbatches, balance=balance,
         device=profile or ("h100" if device.type == "cuda" else "cpu"), schedule=schedule,
         model_name=type(model).__name__,
+        # Under autocast, floating activations cross stage boundaries in the compute dtype (the
+        # stages cast them; see model._wrap_forward): the cuts are priced and sized in it.
+        activation_dtype=_PRECISIONS[mixed_precision],
     )
 
     # 5. Mesh (the first collective).
@@ -116,6 +126,6 @@ def parallelize(
     runtime = StageRuntime(
         plan=plan, traced=traced, stages=stages, mesh=mesh, schedule=schedule, loss_fn=loss_fn,
         compute_dtype=_PRECISIONS[mixed_precision], activation_checkpointing=activation_checkpointing,
-        deadline=deadline, record_timeline=record_timeline,
+        deadline=deadline, record_timeline=record_timeline, cuda_graphs=cuda_graphs,
     )
     return ParallelModel(model, runtime, shard_plan=shard_plan, fp16=mixed_precision == "fp16")

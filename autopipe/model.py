@@ -1,12 +1,16 @@
 """``ParallelModel``: what ``parallelize()`` returns, the one object users hold.
 
 It runs training and evaluation steps through the pipeline driver, averages gradients over
-data-parallel replicas, clips and scales them across the whole mesh, and converts between
-this rank's sharded stages and the unmodified model's full state_dict.
+data-parallel replicas (once per accumulation, see ``no_sync``), clips and scales them across
+the whole mesh, converts between this rank's sharded stages and the unmodified model's full
+state_dict, and saves and loads sharded checkpoints (checkpoint.py).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import math
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
@@ -41,16 +45,39 @@ def _wrap_forward(stage: nn.Module, *, device_type: str, compute_dtype: torch.dt
     def run(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if compute_dtype is None:
             return inner(*inputs)
-        with torch.autocast(device_type, dtype=compute_dtype):
+        # No cast cache: CUDA graph capture refuses it, and each weight is cast once per call anyway.
+        with torch.autocast(device_type, dtype=compute_dtype, cache_enabled=False):
             outputs = inner(*inputs)
         if cast_outputs:
             outputs = tuple(o.to(compute_dtype) if o.is_floating_point() else o for o in outputs)
         return outputs
 
     if recompute:
-        stage.forward = functools.wraps(inner)(lambda *xs: checkpoint(run, *xs, use_reentrant=False))
+        def contexts() -> tuple[Any, Any]:
+            return contextlib.nullcontext(), _running_stats_kept(stage)
+
+        stage.forward = functools.wraps(inner)(
+            lambda *xs: checkpoint(run, *xs, use_reentrant=False, context_fn=contexts))
     else:
         stage.forward = run
+
+
+@contextlib.contextmanager
+def _running_stats_kept(stage: nn.Module) -> Iterator[None]:
+    """The recomputation of a checkpointed forward runs in train mode again: keep BatchNorm's
+    running statistics as the first forward left them (one update per micro-batch)."""
+    norms = [m for m in stage.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
+             and m.track_running_stats]
+    saved = [[b.clone() for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
+             for m in norms]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m, kept in zip(norms, saved):
+                for b, k in zip([b for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None],
+                                kept):
+                    b.copy_(k)
 
 
 @dataclass
@@ -67,6 +94,7 @@ class StageRuntime:
     activation_checkpointing: bool = False
     deadline: float = 300.0
     record_timeline: bool = False
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         plan, last = self.plan, self.plan.num_stages - 1
@@ -84,18 +112,28 @@ class StageRuntime:
                               cast_outputs=i != last, recompute=self.activation_checkpointing)
         self.timeline = Timeline(self.mesh.rank, cuda_events=self.mesh.device.type == "cuda") \
             if self.record_timeline else None
-        self.loss_scale: float = 1.0
+        self.loss_scale: float = 1.0  # the fp16 dynamic loss scale
+        self.grad_scale: float = 1.0  # the current train_step's grad_scale
         input_specs = [TensorSpec(s, d) for s, d in zip(self.traced.input_shapes, self.traced.input_dtypes)]
         self.driver = PipelineDriver(
             self.stages, boundary, pp=plan.pp, chunks=plan.chunks, pp_rank=self.mesh.pp_rank,
             pp_group=self.mesh.pp_group, schedule=self.schedule, microbatches=plan.microbatches,
             loss_fn=self._scaled_loss, postprocess=self.traced.unflatten_output, device=self.mesh.device,
-            timeline=self.timeline, input_specs=input_specs, deadline=self.deadline,
+            timeline=self.timeline, input_specs=input_specs, deadline=self.deadline, cuda_graphs=self.cuda_graphs,
         )
 
     def _scaled_loss(self, output: Any, target: Any) -> torch.Tensor:
-        loss = self.loss_fn(output, target)
-        return loss * self.loss_scale if self.loss_scale != 1.0 else loss
+        if self.compute_dtype is None:
+            loss = self.loss_fn(output, target)
+        else:
+            # As in the autocast recipe, the loss runs under autocast (which computes losses in
+            # fp32) and is scaled in fp32: an fp16 loss times a 2**16 loss scale overflows.
+            with torch.autocast(self.mesh.device.type, dtype=self.compute_dtype):
+                loss = self.loss_fn(output, target)
+            if isinstance(loss, torch.Tensor) and loss.is_floating_point():
+                loss = loss.float()
+        scale = self.loss_scale * self.grad_scale
+        return loss * scale if scale != 1.0 and isinstance(loss, torch.Tensor) else loss
 
 
 @dataclass
@@ -119,6 +157,8 @@ class ParallelModel:
         self._mesh = mesh
         # What the user's model looked like when it was parallelized: full_state_dict checks it.
         self._signature = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        self._sync = True  # False inside no_sync()
+        self._unsynced = False  # .grad holds this replica's sum of calls under no_sync()
         self._sync_replicas()
 
     # ----------------------------------------------------------------------------- layout
@@ -194,26 +234,62 @@ class ParallelModel:
         return self.train(False)
 
     # ----------------------------------------------------------------------------- steps
-    def train_step(self, inputs: Any, targets: Any, *, return_outputs: bool = False) -> Any:
+    def train_step(self, inputs: Any, targets: Any, *, return_outputs: bool = False,
+                   grad_scale: float = 1.0) -> Any:
         """Forward and backward of this dp replica's batch, split into the plan's micro-batches.
 
-        Leaves in ``.grad`` the gradients of the mean loss over the global batch (every dp
-        replica), so ``optimizer.step()`` matches single-process training. Returns this
-        replica's mean loss on every rank (and, with ``return_outputs``, the outputs on the
-        last stage's ranks, None elsewhere).
+        Adds to ``.grad`` (as ``loss.backward()`` does) ``grad_scale`` times the gradients of
+        the mean loss over the global batch (every dp replica), so ``optimizer.step()`` matches
+        single-process training. Returns this replica's mean loss (not scaled) on every rank
+        (and, with ``return_outputs``, the outputs on the last stage's ranks, None elsewhere).
+
+        Gradient accumulation over n calls: pass ``grad_scale=1 / n`` and run the first n - 1
+        calls under :meth:`no_sync`; see [Note: gradient accumulation].
         """
+        if isinstance(grad_scale, bool) or not isinstance(grad_scale, (int, float)) \
+                or not math.isfinite(grad_scale) or grad_scale <= 0:
+            raise InputError(f"grad_scale={grad_scale!r}; pass a positive number, e.g. 1 / n to "
+                             "accumulate the gradients of n train_step calls")
         inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
         if isinstance(targets, torch.Tensor) and inputs and targets.shape[0] != inputs[0].shape[0]:
             raise InputError(
                 f"targets batch {targets.shape[0]} does not match inputs batch {inputs[0].shape[0]}; "
                 "pass one target per sample"
             )
-        result = self._runtime.driver.train_step(inputs, targets, return_outputs=return_outputs)
+        self._runtime.grad_scale = float(grad_scale)
+        try:
+            result = self._runtime.driver.train_step(inputs, targets, return_outputs=return_outputs)
+        finally:
+            self._runtime.grad_scale = 1.0
         loss = result[0] if return_outputs else result
-        if self._scaler is not None:
-            loss = loss / self._scaler.scale
-        average_gradients(self.parameters(), self._mesh.dp_group, self.dp_size)
+        scale = (self._scaler.scale if self._scaler is not None else 1.0) * grad_scale
+        if scale != 1.0:
+            loss = loss / scale
+        self._unsynced = True
+        if self._sync:
+            self._average_gradients()
         return (loss, result[1]) if return_outputs else loss
+
+    # [Note: gradient accumulation]
+    # train_step adds to .grad like loss.backward(): n calls with grad_scale=1/n leave the
+    # gradients of the mean loss over all n batches. Averaging over dp is linear, so it may
+    # run once, on the sum: calls under no_sync() skip it (as DistributedDataParallel's do)
+    # and the next call outside it averages everything accumulated so far. If every call ran
+    # under no_sync(), step() and clip_grad_norm_() average before using the gradients.
+    # Every rank makes the same calls, so they agree on whether to average.
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """train_step calls inside skip the data-parallel gradient all-reduce (accumulate first)."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def _average_gradients(self) -> None:
+        if self._unsynced:
+            average_gradients(self.parameters(), self._mesh.dp_group, self.dp_size)
+            self._unsynced = False
 
     @torch.no_grad()
     def eval_step(self, inputs: Any) -> Any:
@@ -224,13 +300,19 @@ class ParallelModel:
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip gradients by their global L2 norm over the whole model; returns the norm."""
+        self._average_gradients()
         norm = global_grad_norm(self._counted_parameters(), [self._mesh.pp_group, self._mesh.tp_group],
                                 self.device)
         clip_gradients(self.parameters(), norm, max_norm)
         return float(norm)
 
     def step(self, optimizer: torch.optim.Optimizer, *, max_norm: float | None = None) -> StepResult:
-        """Unscale (fp16), skip on overflow (the same decision on every rank), clip, step."""
+        """Unscale (fp16), skip on overflow (the same decision on every rank), clip, step.
+
+        With fp16, an inf or NaN in any rank's gradients skips the step on every rank and
+        halves the loss scale; the (unscaled) gradients are left for ``zero_grad()``.
+        """
+        self._average_gradients()
         skipped = False
         if self._scaler is not None:
             skipped = self._scaler.found_inf(self.parameters(), None, self.device)
@@ -302,6 +384,35 @@ class ParallelModel:
             raise CheckpointError(
                 f"state_dict does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
             )
+        self._load_local_state(state_dict)
+
+    def save_checkpoint(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
+                        *, extra: Any = None) -> str:
+        """Save a sharded checkpoint into the directory ``path`` (collective; every rank calls it).
+
+        Saves the model, ``optimizer`` (built over :meth:`parameters`), the fp16 loss scale and
+        ``extra`` (plain data from rank 0: a step count, scheduler.state_dict()...). Atomic: a
+        save that fails on any rank raises CheckpointError on every rank and leaves the previous
+        checkpoint in ``path`` as the one that loads. Keys are the original model's names with
+        full shapes, so it loads into any pp/tp/dp layout. Returns the directory written.
+        See [Note: checkpoint layout] in checkpoint.py.
+        """
+        from .checkpoint import save_checkpoint
+
+        return save_checkpoint(self, path, optimizer, extra=extra)
+
+    def load_checkpoint(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> Any:
+        """Load the last complete checkpoint saved into ``path`` (collective); returns its ``extra``.
+
+        ``optimizer`` gets its state and hyperparameters back (build it over :meth:`parameters`
+        first). Raises CheckpointError naming the path and the mismatch if none fits.
+        """
+        from .checkpoint import load_checkpoint
+
+        return load_checkpoint(self, path, optimizer)
+
+    def _load_local_state(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Load this rank's stages from full (unsharded) tensors keyed by the model's names."""
         for s in sorted(self._runtime.stages):
             stage = self._runtime.stages[s]
             keys = stage.state_dict().keys()

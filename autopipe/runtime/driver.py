@@ -15,6 +15,7 @@ from torch.distributed.distributed_c10d import _get_default_store
 from torch.utils import _pytree as pytree
 
 from autopipe.errors import ConfigError, InputError, ScheduleError
+from autopipe.runtime.graphs import StageGraphs, slots_per_stage
 from autopipe.runtime.failure import DEFAULT_DEADLINE, FailureMonitor, failure_key
 from autopipe.runtime.microbatch import merge, split_inputs, split_targets
 from autopipe.runtime.p2p import P2P, BufferPool, TensorSpec, Transfer, check_boundary, floating_indices
@@ -63,6 +64,7 @@ class PipelineDriver:
         input_specs: Sequence[TensorSpec] | None = None,
         store: dist.Store | None = None,
         deadline: float = DEFAULT_DEADLINE,
+        cuda_graphs: bool = False,
     ) -> None:
         validate(schedule, pp, microbatches, chunks)
         n = pp * chunks
@@ -87,6 +89,13 @@ class PipelineDriver:
             deadline=deadline,
             threaded=self.device.type == "cpu",
         )
+        if cuda_graphs and (self.device.type != "cuda" or schedule == "forward_only" or
+                            (0 in stages and input_specs is None)):
+            raise ConfigError("cuda_graphs=True needs CUDA stages, a training schedule and the model's "
+                              "input specs; pass cuda_graphs=False")
+        self.cuda_graphs = cuda_graphs
+        self._graphs: dict[int, StageGraphs] = {}  # captured at the first train step
+        self._slot: dict[tuple[int, int], int] = {}
         self._train_program = None if schedule == "forward_only" else self._compile(schedule)
         self._eval_program = self._compile("forward_only")
         self._reset()
@@ -124,6 +133,8 @@ class PipelineDriver:
                                 "driver with schedule='gpipe', '1f1b' or 'interleaved_1f1b'")
         try:
             with self.monitor.guard():
+                if self.cuda_graphs:
+                    self._capture_graphs()
                 self._prepare(inputs, targets, grad=True, keep=return_outputs)
                 self._run(self._train_program)
                 loss = self._broadcast_loss()
@@ -146,6 +157,21 @@ class PipelineDriver:
         finally:
             self._reset()
 
+    def _capture_graphs(self) -> None:
+        """Captures every local stage once, in the mode it is in now; see runtime/graphs.py."""
+        if not self._graphs:
+            actions: dict[int, list[tuple[str, int]]] = {s: [] for s in self.stages}
+            for a in rank_actions(self.schedule, self.pp, self.microbatches, self.chunks, self.pp_rank):
+                if a.kind is F or a.kind is B:
+                    actions[a.stage].append(("F" if a.kind is F else "B", a.microbatch))
+            slots = slots_per_stage(actions)
+            for s in sorted(self.stages):
+                specs = list(self.input_specs) if s == 0 else self._specs[s - 1]
+                grads = [s > 0 and spec.dtype.is_floating_point for spec in specs]
+                self._graphs[s] = StageGraphs(self.stages[s], specs, grads, slots[s], self.device)
+        for graphs in self._graphs.values():
+            graphs.prepare_grads()
+
     def _compile(self, schedule: str) -> list[Step]:
         """Bound steps for the action list; the transfers between two computes form one batch
         (see [Note: coalesced transfers] in p2p.py)."""
@@ -167,6 +193,9 @@ class PipelineDriver:
         return steps
 
     def _reset(self) -> None:
+        for (s, _), slot in getattr(self, "_slot", {}).items():  # a failed step's slots
+            self._graphs[s].release(slot)
+        self._slot = {}
         self._inputs: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> inputs handed over locally
         self._grads: dict[tuple[int, int], list] = {}  # (stage, mb) -> output grads handed over locally
         self._recv: dict[tuple, tuple] = {}  # (kind, stage, mb) -> (buffers, handle)
@@ -201,11 +230,11 @@ class PipelineDriver:
             step(a, b)
         while self._sends:
             pending, handle = self._sends.popleft()
-            self.monitor.wait(pending, handle.what)
+            self.monitor.wait(pending, handle.what, on_stream=True)
 
     def _wait(self, handle: Any, action: str, s: int, mb: int) -> None:
         mark = self.timeline.begin() if self.timeline is not None else None
-        self.monitor.wait(handle.works, handle.what)
+        self.monitor.wait(handle.works, handle.what, on_stream=True)
         if self.timeline is not None:
             self.timeline.end(mark, action, s, mb)
 
@@ -223,7 +252,11 @@ class PipelineDriver:
             # Received activations become leaves: backward stops here and leaves their .grad.
             args = tuple(x.detach().requires_grad_(True) if x.is_floating_point() else x for x in args)
         mark = self.timeline.begin() if self.timeline is not None else None
-        outputs = self.stages[s](*args)
+        graphs = self._graphs.get(s) if self._grad else None
+        if graphs is not None and graphs.usable():
+            self._slot[(s, mb)], outputs = graphs.forward(*args)
+        else:
+            outputs = self.stages[s](*args)
         if isinstance(outputs, torch.Tensor):
             outputs = (outputs,)
         roots: tuple = outputs
@@ -267,6 +300,10 @@ class PipelineDriver:
         if pairs:
             torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
         in_grads = [args[i].grad for i in self._in_float[s]]
+        slot = self._slot.pop((s, mb), None)
+        if slot is not None:  # a graph's memory must not leave it: see [Note: graph slots]
+            in_grads = [g.clone() if g is not None else None for g in in_grads]
+            self._graphs[s].release(slot)
         if s and (s - 1) % self.pp == self.pp_rank:
             self._grads[(s - 1, mb)] = in_grads
         elif s:  # static shapes: an input autograd did not reach gets zeros

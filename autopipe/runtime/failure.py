@@ -43,6 +43,14 @@ __all__ = ["FailureMonitor", "Pending", "failure_key", "DEFAULT_DEADLINE"]
 # record is kept, every later step of this driver fails at once, and the job should restart
 # its processes.
 
+# [Note: stream-side waits]
+# On NCCL, ``work.wait()`` makes the current CUDA stream wait for the transfer and returns at
+# once. Polling ``is_completed()`` on the host instead would block the Python thread until the
+# data arrived and leave the GPU idle while the next stage's kernels are launched. So the
+# driver waits for its per-micro-batch transfers on the stream and polls (watching the store
+# and the deadline) only once per step, at the loss broadcast: a failed peer is still noticed
+# within a bounded time, one step later at most.
+
 DEFAULT_DEADLINE = 300.0
 _MAX_MESSAGE = 2000
 _instances: Counter[str] = Counter()
@@ -140,13 +148,21 @@ class FailureMonitor:
             return Pending(works, None)
         return Pending(works, self._sends.submit(works))
 
-    def wait(self, works: Sequence[dist.Work] | Pending, what: str) -> None:
+    def wait(self, works: Sequence[dist.Work] | Pending, what: str, *, on_stream: bool = False) -> None:
         """Waits for ``works``; ``what`` names them and their peer ("receive of ... from rank 1").
 
         Raises PipelineFailure when another rank recorded a failure, when the work itself
-        fails (a peer's connection closed), or after ``deadline`` seconds.
+        fails (a peer's connection closed), or after ``deadline`` seconds. With ``on_stream``
+        and an accelerator backend (not ``threaded``), the wait is queued on the current
+        stream and the host goes on at once: see [Note: stream-side waits].
         """
         pending = works if isinstance(works, Pending) else Pending(works, None)
+        if on_stream and self._recvs is None:
+            if self.failed is not None:
+                raise self.failed
+            for work in pending.works:
+                work.wait()
+            return
         if pending.ticket is None and self._recvs is not None and not pending.done():
             pending.ticket = self._recvs.submit(pending.works)
         if pending.ticket is not None:

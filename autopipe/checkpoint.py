@@ -1,0 +1,445 @@
+"""Sharded, atomic training checkpoints of a ParallelModel and its optimizer, written with
+torch.distributed.checkpoint (DCP).
+
+[Note: checkpoint layout]
+``save_checkpoint(pm, path)`` treats ``path`` as a directory:
+
+    path/latest          the name of the last complete checkpoint (replaced with os.replace)
+    path/ckpt-<id>/      one DCP checkpoint (.metadata, __<rank>_0.distcp), plus
+                         manifest.pt (layout, loss scale, optimizer hyperparameters) and
+                         extra.pt (the caller's ``extra``), both written by rank 0
+
+Keys are the unmodified model's names with full shapes: ``model.<name>`` and, per parameter,
+``optim.<name>.<state>`` (exp_avg, momentum_buffer, step...). Tensor-parallel shards are
+gathered over tp, and only tp rank 0 of dp replica 0 of each pipeline rank writes its stages,
+so the files are split over pp ranks and nothing is written twice. Because the keys do not
+depend on the layout, a checkpoint loads into any pp x dp x tp layout of the same model.
+
+A save writes a fresh ``ckpt-<id>`` directory, the ranks agree that every write succeeded,
+and only then rank 0 points ``latest`` at it and deletes the older directories. A save that
+fails on any rank raises CheckpointError on every rank and leaves ``latest`` as it was; a
+process killed mid-save leaves an unreferenced directory that loads ignore and the next
+successful save deletes. Every rank must see ``path`` on one shared filesystem (as DCP needs).
+
+[Note: no rank left waiting]
+Every step that can fail on one rank alone (argument checks, building the state, writing,
+reading, applying) is followed by one all_gather_object of each rank's error, so all ranks
+raise the same CheckpointError together instead of leaving peers in a collective. DCP's own
+save/load propagate a failure of any rank to all of them.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import shutil
+import uuid
+import warnings
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException as DCPException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from .errors import CheckpointError
+from .shard.state import merge_shards, shard_tensor
+
+if TYPE_CHECKING:
+    from .model import ParallelModel
+
+__all__ = ["save_checkpoint", "load_checkpoint"]
+
+FORMAT = 1
+LATEST = "latest"
+POINTER_TMP = ".latest.tmp-"
+PREFIX = "ckpt-"
+MANIFEST = "manifest.pt"
+EXTRA = "extra.pt"
+
+
+# ----------------------------------------------------------------------------- collectives
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _agree(error: str | None, payload: Any = None) -> list[Any]:
+    """Every rank's ``payload``; raises one CheckpointError on every rank if any rank had an error."""
+    rank, world = _world()
+    entries: list[Any] = [(error, payload)]
+    if world > 1:
+        entries = [None] * world
+        dist.all_gather_object(entries, (error, payload))
+    failed = [(r, e) for r, (e, _) in enumerate(entries) if e is not None]
+    if failed:
+        r, e = failed[0]
+        raise CheckpointError(e if world == 1 else f"rank {r}: {e}")
+    return [p for _, p in entries]
+
+
+def _from_rank0(fn: Callable[[], Any]) -> Any:
+    """``fn()`` run on rank 0 and handed to every rank; its failure is raised on every rank."""
+    rank, world = _world()
+    box: list[Any] = [None]
+    if rank == 0:
+        try:
+            box = [(None, fn())]
+        except CheckpointError as exc:
+            box = [(str(exc), None)]
+        except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
+            box = [(f"{type(exc).__name__}: {exc}", None)]
+    if world > 1:
+        dist.broadcast_object_list(box, src=0)
+    error, value = box[0]
+    if error is not None:
+        raise CheckpointError(error)
+    return value
+
+
+@contextlib.contextmanager
+def _quiet(world: int) -> Iterator[None]:
+    """Without a process group DCP warns that it assumes one process, which is what is meant."""
+    with warnings.catch_warnings():
+        if world == 1:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, DCPException):  # a BaseException: one entry per failed rank
+        return "; ".join(f"rank {r}: {_describe(e)}" for r, (e, _) in sorted(exc.failures.items()))
+    return str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+
+
+# ----------------------------------------------------------------------------- state
+def _param_names(pm: ParallelModel, optimizer: torch.optim.Optimizer) -> dict[int, str]:
+    """``id(param) -> name`` for the optimizer's parameters, all of which must be ``pm``'s."""
+    names = {id(p): n for n, p in pm.named_parameters()}
+    foreign = sum(id(p) not in names for g in optimizer.param_groups for p in g["params"])
+    if foreign:
+        raise CheckpointError(
+            f"the optimizer holds {foreign} parameter(s) that are not this rank's stage parameters; "
+            "build it from pm.parameters() (not the original model's) before saving or loading"
+        )
+    return names
+
+
+def _tp_full(pm: ParallelModel, name: str, t: torch.Tensor, local_shape: tuple[int, ...]) -> torch.Tensor:
+    """The full tensor of a parameter-shaped tensor split like parameter ``name`` (collective over tp)."""
+    plan = pm.shard_plan
+    ps = plan.params.get(name) if plan is not None else None
+    if ps is None or not ps.sharded or plan.tp == 1 or tuple(t.shape) != local_shape:
+        return t.detach().cpu()
+    parts = [torch.empty_like(t) for _ in range(plan.tp)]
+    dist.all_gather(parts, t.detach().contiguous(), group=pm._mesh.tp_group)
+    return merge_shards(parts, ps, plan.custom_splits.get(name)).cpu()
+
+
+def _tp_local(pm: ParallelModel, name: str, t: torch.Tensor) -> torch.Tensor:
+    """This tp rank's shard of a full parameter-shaped tensor (inverse of :func:`_tp_full`)."""
+    plan = pm.shard_plan
+    ps = plan.params.get(name) if plan is not None else None
+    if ps is None or not ps.sharded or plan.tp == 1 or tuple(t.shape) != tuple(ps.shape):
+        return t
+    return shard_tensor(t, ps, pm.tp_rank, plan.tp, plan.custom_splits.get(name)).contiguous().clone()
+
+
+def _optimizer_state(pm: ParallelModel, optimizer: torch.optim.Optimizer,
+                     names: dict[int, str]) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    """Tensors keyed ``optim.<name>.<state>`` (full shapes), and per parameter its group's
+    hyperparameters, non-tensor state and tensor state keys. Collective over tp."""
+    tensors: dict[str, torch.Tensor] = {}
+    info: dict[str, dict] = {}
+    entries = [(names[id(p)], p, g) for g in optimizer.param_groups for p in g["params"]]
+    for name, p, group in sorted(entries, key=lambda e: e[0]):  # same order on every tp rank
+        state = optimizer.state.get(p, {})
+        keys = sorted(k for k, v in state.items() if isinstance(v, torch.Tensor))
+        info[name] = {
+            "group": {k: v for k, v in group.items() if k != "params"},
+            "values": {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)},
+            "tensors": keys,
+        }
+        for k in keys:
+            tensors[f"optim.{name}.{k}"] = _tp_full(pm, name, state[k], tuple(p.shape))
+    return tensors, info
+
+
+def _serialise_extra(extra: Any) -> bytes | None:
+    if extra is None:
+        return None
+    buf = io.BytesIO()
+    try:
+        torch.save(extra, buf)
+        torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - becomes the message
+        raise CheckpointError(
+            f"extra (a {type(extra).__name__}) cannot be stored as plain data ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}); pass dicts, lists, numbers, strings and "
+            "tensors, e.g. extra={'step': step, 'scheduler': scheduler.state_dict()}"
+        ) from None
+    return buf.getvalue()
+
+
+def _write_file(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _latest(path: str) -> str | None:
+    try:
+        with open(os.path.join(path, LATEST)) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+# ----------------------------------------------------------------------------- save
+def save_checkpoint(pm: ParallelModel, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
+                    *, extra: Any = None) -> str:
+    """Collective. See [Note: checkpoint layout]; returns the directory that ``latest`` names."""
+    path = os.fspath(path)
+    rank, world = _world()
+    # 1. Local checks, and rank 0 names the new directory.
+    error, names, extra_bytes = None, None, None
+    try:
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise CheckpointError(f"checkpoint path {path!r} is a file; pass a directory path "
+                                  "(it is created if missing)")
+        names = _param_names(pm, optimizer) if optimizer is not None else None
+        if rank == 0:
+            extra_bytes = _serialise_extra(extra)
+    except Exception as exc:  # noqa: BLE001 - agreed on below
+        error = _describe(exc)
+    proposals = _agree(error, (f"{PREFIX}{uuid.uuid4().hex[:12]}", path))
+    paths = sorted({p for _, p in proposals})
+    if len(paths) > 1:
+        raise CheckpointError(f"the ranks passed different checkpoint paths ({', '.join(map(repr, paths[:4]))}); "
+                              "every rank must pass the same path, on a filesystem they all share")
+    name = proposals[0][0]
+    target = os.path.join(path, name)
+    pointer = os.path.join(path, f"{POINTER_TMP}{name}")
+    previous = _latest(path)
+
+    def fail(stage: str, exc: CheckpointError) -> CheckpointError:
+        if rank == 0:
+            shutil.rmtree(target, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                os.remove(pointer)
+        kept = f"'{previous}' is still the latest checkpoint" if previous else "no checkpoint was committed"
+        return CheckpointError(f"saving checkpoint {path!r} failed while {stage}: {exc}. Nothing in {path!r} "
+                               f"changed ({kept}); fix the cause and save again")
+
+    # 2. Build this rank's state: dp replica 0 gathers its tp shards, tp rank 0 writes them.
+    error, state, info = None, {}, {}
+    try:
+        os.makedirs(target, exist_ok=True)
+        if pm.dp_rank == 0:
+            model = {f"model.{k}": v for k, v in pm._local_full_state().items()}
+            optim, info = _optimizer_state(pm, optimizer, names) if optimizer is not None else ({}, {})
+            if pm.tp_rank == 0:
+                state = {**model, **optim}
+            else:
+                info = {}
+    except Exception as exc:  # noqa: BLE001 - agreed on below
+        error = _describe(exc)
+    try:
+        infos = _agree(error, info)
+    except CheckpointError as exc:
+        raise fail("preparing the state", exc) from None
+
+    # 3. Write (DCP raises on every rank if any rank's write failed).
+    error = None
+    try:
+        with _quiet(world):
+            dcp.save(state, checkpoint_id=target, no_dist=world == 1)
+    except (Exception, DCPException) as exc:  # noqa: BLE001 - agreed on below
+        error = _describe(exc)
+    try:
+        _agree(error)
+    except CheckpointError as exc:
+        raise fail("writing the shards", exc) from None
+
+    # 4. Rank 0 completes the directory and commits it.
+    def commit() -> None:
+        merged: dict[str, dict] = {}
+        for part in infos:
+            merged.update(part)
+        scaler = pm._scaler
+        manifest = {
+            "format": FORMAT,
+            "model": type(pm._model).__name__,
+            "layout": {"pp": pm.plan.pp, "tp": pm._mesh.dims.tp, "dp": pm.dp_size, "chunks": pm.plan.chunks},
+            "optimizer": merged if optimizer is not None else None,
+            "loss_scaler": None if scaler is None else {"scale": scaler.scale, "good_steps": scaler._good_steps},
+            "extra": extra_bytes is not None,
+        }
+        buf = io.BytesIO()
+        torch.save(manifest, buf)
+        _write_file(os.path.join(target, MANIFEST), buf.getvalue())
+        if extra_bytes is not None:
+            _write_file(os.path.join(target, EXTRA), extra_bytes)
+        _fsync_dir(target)
+        _write_file(pointer, name.encode())
+        os.replace(pointer, os.path.join(path, LATEST))
+        _fsync_dir(path)
+        for entry in os.listdir(path):  # older checkpoints and what saves that died left
+            if entry.startswith(PREFIX) and entry != name:
+                shutil.rmtree(os.path.join(path, entry), ignore_errors=True)
+            elif entry.startswith(POINTER_TMP):
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.join(path, entry))
+
+    try:
+        _from_rank0(commit)  # raises before os.replace or not at all
+    except CheckpointError as exc:
+        raise fail("committing", exc) from None
+    return target
+
+
+# ----------------------------------------------------------------------------- load
+def _read(path: str) -> dict[str, Any]:
+    """Rank 0: the committed directory, its manifest, tensor metadata and extra."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"no checkpoint at {path!r}: the directory does not exist; pass the path "
+                              "given to pm.save_checkpoint()")
+    name = _latest(path)
+    if name is None:
+        partial = sorted(e for e in os.listdir(path) if e.startswith(PREFIX))
+        found = (f"it holds only unfinished saves ({', '.join(partial)}), which are never loaded"
+                 if partial else "it has no 'latest' file")
+        if os.path.exists(os.path.join(path, ".metadata")):
+            found = "it is a plain torch.distributed.checkpoint directory, not one written by autopipe"
+        raise CheckpointError(f"{path!r} holds no complete autopipe checkpoint: {found}. Pass the directory "
+                              "given to pm.save_checkpoint(); a save that was interrupted leaves nothing to load")
+    target = os.path.join(path, name)
+    try:
+        manifest = torch.load(os.path.join(target, MANIFEST), weights_only=True)
+        metadata = dcp.FileSystemReader(target).read_metadata()
+        extra = torch.load(os.path.join(target, EXTRA), weights_only=True) if manifest["extra"] else None
+    except Exception as exc:  # noqa: BLE001 - becomes the message
+        raise CheckpointError(f"checkpoint {target!r} (named by {path}/{LATEST}) cannot be read: "
+                              f"{_describe(exc)}; it was changed or truncated after it was saved") from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {target!r} has format {manifest.get('format')!r}; this autopipe "
+                              f"reads format {FORMAT}. Load it with the autopipe version that saved it")
+    tensors = {k: (tuple(m.size), m.properties.dtype) for k, m in metadata.state_dict_metadata.items()
+               if isinstance(m, TensorStorageMetadata)}
+    return {"dir": target, "manifest": manifest, "tensors": tensors, "extra": extra}
+
+
+def _targets(pm: ParallelModel, optimizer: torch.optim.Optimizer | None,
+             found: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Empty tensors for every key this rank loads, after checking that the checkpoint fits."""
+    manifest, tensors, where = found["manifest"], found["tensors"], found["dir"]
+    saved = f"saved from {manifest['model']} with " + ", ".join(f"{k}={v}" for k, v in manifest["layout"].items())
+    out: dict[str, torch.Tensor] = {}
+    missing, wrong = [], []
+    for s in sorted(pm.stages):
+        for k in pm.stages[s].state_dict():
+            want = pm._signature[k]
+            got = tensors.get(f"model.{k}")
+            if got is None:
+                missing.append(k)
+            elif got[0] != want:
+                wrong.append(f"{k}: {list(got[0])} in the checkpoint, {list(want)} in the model")
+            else:
+                out[f"model.{k}"] = torch.empty(got[0], dtype=got[1])
+    if missing or wrong:
+        problems = ([f"missing {len(missing)} tensor(s): {', '.join(missing[:5])}"] if missing else []) + wrong[:5]
+        if len(wrong) > 5:
+            problems.append(f"and {len(wrong) - 5} more tensors of other shapes")
+        raise CheckpointError(f"checkpoint {where!r} ({saved}) does not fit this model:\n"
+                              + "\n".join(f"  - {p}" for p in problems)
+                              + "\nLoad it into the model it was saved from; to start from other weights "
+                              "use pm.load_full_state_dict(state_dict)")
+    if optimizer is None:
+        return out
+    states = manifest["optimizer"]
+    if states is None:
+        raise CheckpointError(f"checkpoint {where!r} holds no optimizer state (it was saved without "
+                              "optimizer=); call load_checkpoint(path) without the optimizer and start it afresh")
+    names = _param_names(pm, optimizer)
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            name = names[id(p)]
+            if name not in states:
+                raise CheckpointError(f"checkpoint {where!r} holds no optimizer state for parameter '{name}'; "
+                                      "build the optimizer over the same parameters as when it was saved")
+            for k in states[name]["tensors"]:
+                shape, dtype = tensors[f"optim.{name}.{k}"]
+                out[f"optim.{name}.{k}"] = torch.empty(shape, dtype=dtype)
+    return out
+
+
+def _apply_optimizer(pm: ParallelModel, optimizer: torch.optim.Optimizer, states: dict[str, dict],
+                     loaded: dict[str, torch.Tensor]) -> None:
+    names = _param_names(pm, optimizer)
+    sd: dict[str, Any] = {"state": {}, "param_groups": []}
+    index = 0
+    for g in optimizer.param_groups:
+        ids, hyper = [], None
+        for p in g["params"]:
+            name = names[id(p)]
+            entry = states[name]
+            hyper = hyper if hyper is not None else entry["group"]
+            st = dict(entry["values"])
+            st.update({k: _tp_local(pm, name, loaded[f"optim.{name}.{k}"]) for k in entry["tensors"]})
+            if st:
+                sd["state"][index] = st
+            ids.append(index)
+            index += 1
+        sd["param_groups"].append({**(hyper or {}), "params": ids})
+    optimizer.load_state_dict(sd)
+
+
+def load_checkpoint(pm: ParallelModel, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> Any:
+    """Collective. Loads the checkpoint ``path/latest`` names; returns the ``extra`` it was saved with."""
+    path = os.fspath(path)
+    found = _from_rank0(lambda: _read(path))
+    world = _world()[1]
+    error, state = None, {}
+    try:
+        state = _targets(pm, optimizer, found)
+    except Exception as exc:  # noqa: BLE001 - agreed on below
+        error = _describe(exc)
+    _agree(error)
+
+    error = None
+    try:
+        with _quiet(world):
+            dcp.load(state, checkpoint_id=found["dir"], no_dist=world == 1)
+    except (Exception, DCPException) as exc:  # noqa: BLE001 - agreed on below
+        error = f"reading {found['dir']!r} failed: {_describe(exc)}"
+    _agree(error)
+
+    error = None
+    try:
+        pm._load_local_state({k[len("model."):]: v for k, v in state.items() if k.startswith("model.")})
+        if optimizer is not None:
+            _apply_optimizer(pm, optimizer, found["manifest"]["optimizer"], state)
+        scaler = found["manifest"]["loss_scaler"]
+        if pm._scaler is not None and scaler is not None:
+            pm._scaler.scale, pm._scaler._good_steps = scaler["scale"], scaler["good_steps"]
+            pm._runtime.loss_scale = pm._scaler.scale
+    except Exception as exc:  # noqa: BLE001 - agreed on below
+        error = f"applying {found['dir']!r} failed: {_describe(exc)}"
+    _agree(error)
+    return found["extra"]
