@@ -127,3 +127,23 @@ def test_training_state_follows_the_parameters_dtype(dtype, per_param):
     plan = partition(traced_tiny(dtype), 2, microbatches=1)
     state = sum(s.memory_bytes - s.activation_bytes for s in plan.stages)  # one micro-batch in flight
     assert state == per_param * plan.total_params
+
+
+def test_tp_collectives_are_priced_in_the_stage_cost():
+    """A sharded graph's all-reduces cost time over the link: the same graph planned for tp=2
+    costs more than the sum of its (already sharded) compute, by exactly the collectives."""
+    from autopipe.partition.cost import graph_costs
+    from autopipe.partition.device import get_profile
+    from autopipe.partition.partitioner import tp_collective_seconds
+    from autopipe.shard import apply_sharding, plan_sharding
+    from autopipe.tracer import trace
+    from tests.models import MODELS
+
+    traced = trace(MODELS["timm_vit"](), (torch.randn(2, 3, 32, 32),))
+    sharded = apply_sharding(traced, plan_sharding(traced, 2), 0)
+    with_comm = partition(sharded, 1, tp=2, device="h100")
+    without = partition(sharded, 1, tp=1, device="h100")
+    profile, costs = get_profile("h100"), graph_costs(sharded.gm)
+    comm = [tp_collective_seconds(n, costs[n.name], 2, profile) for n in sharded.gm.graph.nodes]
+    assert sum(c > 0 for c in comm) >= 8  # f and g around each attention and MLP of 2 blocks
+    assert with_comm.stages[0].cost == pytest.approx(without.stages[0].cost + sum(comm), rel=1e-9)

@@ -206,6 +206,9 @@ def partition(
     in_flight = microbatches if schedule == "gpipe" else min(microbatches, pp * chunks)
     order = [n.name for n in nodes]
     compute = [profile.node_time(costs[n]) + profile.node_time(costs[n], backward=True) for n in order]
+    if tp > 1:  # the tensor-parallel collectives the shard rewrite inserted
+        for i, node in enumerate(nodes):
+            compute[i] += tp_collective_seconds(node, costs[node.name], tp, profile)
     state = [training_state_bytes(costs[n].param_bytes, optimizer, param_dtype=_param_dtype(costs[n]))
              for n in order]
     mem = [held + costs[n].saved_bytes * in_flight for held, n in zip(state, order)]
@@ -291,6 +294,18 @@ def _cut_tensors(names: Sequence[str], by_name: Mapping[str, fx.Node],
         dtype = activation_dtype if activation_dtype is not None and v.is_floating_point() else v.dtype
         out.append(CutTensor(name, tuple(v.shape), _dtype_name(dtype), v.numel() * dtype.itemsize))
     return out
+
+
+def tp_collective_seconds(node: fx.Node, cost: NodeCost, tp: int, profile: DeviceProfile) -> float:
+    """Time of the collective a sharded graph's ``node`` runs over ``tp`` ranks, per micro-batch
+    (forward + backward): ring all-reduce moves 2 (tp - 1) / tp of the tensor per rank (f in
+    backward, g in forward), all-gather (tp - 1) / tp of the gathered tensor. 0 for other nodes."""
+    from ..shard.collectives import copy_to_tp, gather_from_tp, reduce_from_tp
+
+    if node.op != "call_function" or node.target not in (copy_to_tp, reduce_from_tp, gather_from_tp):
+        return 0.0
+    factor = 2 * (tp - 1) / tp if node.target is not gather_from_tp else (tp - 1) / tp
+    return profile.transfer_time(factor * cost.out_bytes)
 
 
 def _build_plan(traced, nodes, costs, times, dag, starts, state, profile, activation_dtype, *, pp, chunks, tp,
