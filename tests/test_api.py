@@ -105,9 +105,10 @@ def test_pp2_tp2(model_name, optimizer):
     _check(results, model_name, optimizer)
 
 
-def test_pp2_tp2_dp2_with_clipping():
-    results = run_distributed(_parallel, 8, "timm_vit", "sgd", 2, 2, 1, "1f1b", 2, 0.5, timeout=400)
-    _check(results, "timm_vit", "sgd", max_norm=0.5)
+@pytest.mark.parametrize("model_name", ["timm_vit", "hf_vit"])
+def test_pp2_tp2_dp2_with_clipping(model_name):
+    results = run_distributed(_parallel, 8, model_name, "sgd", 2, 2, 1, "1f1b", 2, 0.5, timeout=400)
+    _check(results, model_name, "sgd", max_norm=0.5)
 
 
 def test_interleaved_pp2_chunks2_dp2():
