@@ -20,10 +20,11 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from tqdm import tqdm
 
 __all__ = [
-    "ImageData", "add_training_args", "init_distributed", "load_data", "train_batches", "test_batches",
-    "warmup_cosine", "evaluate", "is_reporter", "world_mean", "progress",
+    "ImageData", "add_training_args", "parse_training_args", "init_distributed", "load_data", "train_batches",
+    "test_batches", "warmup_cosine", "evaluate", "is_reporter", "world_mean", "progress",
 ]
 
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
@@ -47,11 +48,21 @@ def add_training_args(parser: argparse.ArgumentParser, *, batch_size: int, micro
                         help="stop after this many optimizer steps and evaluate as many batches (smoke tests)")
 
 
+def parse_training_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """Parses the command line; a batch must split into equal micro-batches (the plan fixes their shape)."""
+    args = parser.parse_args()
+    if args.batch_size % args.microbatches:
+        parser.error(f"--batch-size {args.batch_size} must split into --microbatches {args.microbatches} "
+                     "equal micro-batches")
+    return args
+
+
 def init_distributed() -> None:
     """The process group torchrun asked for: NCCL with one GPU per process, gloo on CPU."""
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl")
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
     else:
         dist.init_process_group("gloo")
 
@@ -206,7 +217,6 @@ def evaluate(pm: Any, data: ImageData, batch_size: int, *, logits: Callable[[Any
     return (counts[0] / counts[1]).item()
 
 
-def progress(iterable: Any, *, total: int, enabled: bool, desc: str) -> Any:
-    from tqdm import tqdm
-
+def progress(iterable: Any, *, total: int, enabled: bool, desc: str) -> tqdm:
+    """A progress bar on the reporting rank only; it clears itself at the end of the epoch."""
     return tqdm(iterable, total=total, disable=not enabled, desc=desc, dynamic_ncols=True, leave=False)

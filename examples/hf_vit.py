@@ -27,8 +27,8 @@ import torch.nn as nn
 from transformers import ViTConfig, ViTForImageClassification
 
 import autopipe
-from _common import (add_training_args, evaluate, init_distributed, is_reporter, load_data, progress,
-                     train_batches, warmup_cosine, world_mean)
+from _common import (add_training_args, evaluate, init_distributed, is_reporter, load_data,
+                     parse_training_args, progress, train_batches, warmup_cosine, world_mean)
 
 
 def parse_args() -> argparse.Namespace:
@@ -38,14 +38,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--hidden-size", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--patch-size", type=int, default=4)
+    p.add_argument("--patch-size", type=int, default=None,
+                   help="default: 16 on the digits (upsampled 8x8 images hold little detail), 4 on CIFAR-10")
     p.add_argument("--weight-decay", type=float, default=0.05)
     p.add_argument("--bf16", action="store_true", help="bf16 autocast; parameters and optimizer stay fp32")
     add_training_args(p, batch_size=16, microbatches=4, lr=1e-3, epochs=3)
-    args = p.parse_args()
-    if args.batch_size % args.microbatches:
-        p.error(f"--batch-size {args.batch_size} must split into --microbatches {args.microbatches} equal parts")
-    return args
+    return parse_training_args(p)
 
 
 def main() -> None:
@@ -53,9 +51,10 @@ def main() -> None:
     init_distributed()
     torch.manual_seed(args.seed)
     data = load_data(args.data)
+    patch_size = args.patch_size or (16 if data.name == "digits" else 4)
 
     config = ViTConfig(
-        image_size=32, patch_size=args.patch_size, hidden_size=args.hidden_size,
+        image_size=32, patch_size=patch_size, hidden_size=args.hidden_size,
         num_hidden_layers=args.layers, num_attention_heads=args.heads, intermediate_size=2 * args.hidden_size,
         num_labels=10,
     )
@@ -71,6 +70,7 @@ def main() -> None:
     )
     if dist.get_rank() == 0:
         print(pm.report(), flush=True)
+    dist.barrier()  # the report prints before any progress bar starts
 
     optimizer = torch.optim.AdamW(pm.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     steps_per_epoch = len(data.train_x) // (args.batch_size * pm.dp_size)

@@ -31,8 +31,8 @@ import torch.nn as nn
 import torchvision
 
 import autopipe
-from _common import (add_training_args, evaluate, init_distributed, is_reporter, load_data, progress,
-                     train_batches, warmup_cosine, world_mean)
+from _common import (add_training_args, evaluate, init_distributed, is_reporter, load_data,
+                     parse_training_args, progress, train_batches, warmup_cosine, world_mean)
 
 # The forward of torchvision's ResNet as a chain: each item takes the previous item's output.
 EXEC_SEQUENCE = [
@@ -53,9 +53,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--weight-decay", type=float, default=5e-4)
     add_training_args(p, batch_size=32, microbatches=4, lr=0.05, epochs=3)
-    args = p.parse_args()
-    if args.batch_size % args.microbatches:
-        p.error(f"--batch-size {args.batch_size} must split into --microbatches {args.microbatches} equal parts")
+    args = parse_training_args(p)
     if args.split == "manual" and args.pp not in SPLIT_POINTS:
         p.error(f"--split manual has split points for --pp {' or '.join(map(str, SPLIT_POINTS))}, not {args.pp}")
     return args
@@ -68,9 +66,10 @@ def main() -> None:
     data = load_data(args.data)
 
     model = torchvision.models.resnet18(num_classes=10)
-    # BatchNorm in train mode normalises each micro-batch by its own statistics, and the running
-    # statistics are updated once per micro-batch: with --microbatches m, a batch of B trains like
-    # m batches of B/m under plain PyTorch. Keep micro-batches large enough for stable statistics.
+    # BatchNorm statistics are per micro-batch: in train mode each micro-batch is normalised by its
+    # own mean and variance, and the running statistics are updated once per micro-batch (as under
+    # gradient accumulation, and per replica as under DDP without SyncBatchNorm). So BatchNorm sees
+    # batches of --batch-size / --microbatches samples: keep that large enough for stable statistics.
     split = {}
     if args.split == "manual":
         split = dict(exec_sequence=EXEC_SEQUENCE, balance=SPLIT_POINTS[args.pp])
@@ -80,6 +79,7 @@ def main() -> None:
     )
     if dist.get_rank() == 0:
         print(pm.report(), flush=True)
+    dist.barrier()  # the report prints before any progress bar starts
 
     optimizer = torch.optim.SGD(pm.parameters(), lr=args.lr, momentum=args.momentum, nesterov=True,
                                 weight_decay=args.weight_decay)

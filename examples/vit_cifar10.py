@@ -7,7 +7,8 @@ training loop around ``pm.train_step`` / ``pm.step``: AdamW, label smoothing, wa
 learning rate, gradient clipping over the whole mesh, optional bf16 autocast, and evaluation with
 ``pm.eval_step``.
 
-Run on CPU (4 processes over gloo; about a minute per epoch on two cores, bundled digits data):
+Run on CPU (4 processes over gloo, bundled digits data; about 20 s per epoch on two cores, and
+about 96% test accuracy after the 3 epochs):
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 examples/vit_cifar10.py --pp 2 --tp 2 --epochs 3
 
@@ -31,8 +32,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import autopipe
-from _common import (add_training_args, evaluate, init_distributed, is_reporter, load_data, progress,
-                     train_batches, warmup_cosine, world_mean)
+from _common import (add_training_args, evaluate, init_distributed, is_reporter, load_data,
+                     parse_training_args, progress, train_batches, warmup_cosine, world_mean)
 
 
 def parse_args() -> argparse.Namespace:
@@ -51,10 +52,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--clip", type=float, default=1.0, help="max global gradient norm")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast; parameters and optimizer stay fp32")
     add_training_args(p, batch_size=16, microbatches=4, lr=1e-3, epochs=3)
-    args = p.parse_args()
-    if args.batch_size % args.microbatches:
-        p.error(f"--batch-size {args.batch_size} must split into --microbatches {args.microbatches} equal parts")
-    return args
+    return parse_training_args(p)
 
 
 def main() -> None:
@@ -77,6 +75,7 @@ def main() -> None:
     )
     if dist.get_rank() == 0:
         print(pm.report(), flush=True)
+    dist.barrier()  # the report prints before any progress bar starts
 
     optimizer = torch.optim.AdamW(pm.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     steps_per_epoch = len(data.train_x) // (args.batch_size * pm.dp_size)
