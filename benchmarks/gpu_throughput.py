@@ -117,15 +117,31 @@ def adamw(params: Any, env: Env, fused: bool = True) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-4, foreach=fused)
 
 
-def time_steps(env: Env, step: Callable[[], None], warmup: int, steps: int) -> float:
+def time_steps(env: Env, step: Callable[[], None], warmup: int, steps: int, *, barrier: bool = True) -> float:
+    """Seconds for ``steps`` calls after ``warmup``; ``barrier=False`` for a run on one rank."""
+    sync = env.sync if barrier else (torch.cuda.synchronize if env.cuda else (lambda: None))
     for _ in range(warmup):
         step()
-    env.sync()
+    sync()
     t0 = time.perf_counter()
     for _ in range(steps):
         step()
-    env.sync()
+    sync()
     return time.perf_counter() - t0
+
+
+def eager_step(env: Env, model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
+               y: torch.Tensor) -> Callable[[], None]:
+    """One bf16-autocast training step of a whole (possibly DTensor-sharded) model."""
+
+    def step() -> None:
+        with torch.autocast(env.device.type, dtype=env.amp):
+            loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
 
 
 def gather_max(env: Env, value: float) -> float:
@@ -229,25 +245,9 @@ class Bench:
             model = self.fresh_model().to(env.device).train()
             opt = adamw(model.parameters(), env)
             x, y = batch(env, batch_size, self.img, self.classes)
-
-            def step() -> None:
-                with torch.autocast(env.device.type, dtype=env.amp):
-                    loss = loss_fn(model(x), y)
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-
-            warm, steps = self.args.warmup, self.args.steps
-            for _ in range(warm):
-                step()
-            if env.cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                step()
-            if env.cuda:
-                torch.cuda.synchronize()
-            out["samples_s"] = round(batch_size * steps / (time.perf_counter() - t0), 1)
+            elapsed = time_steps(env, eager_step(env, model, opt, x, y), self.args.warmup, self.args.steps,
+                                 barrier=False)
+            out["samples_s"] = round(batch_size * self.args.steps / elapsed, 1)
             del model, opt
         dist.barrier()
         return out
@@ -346,15 +346,7 @@ class Bench:
         model = model.to(env.device).train()
         opt = adamw(model.parameters(), env, fused=False)
         x, y = batch(env, batch_size, self.img, self.classes)
-
-        def step() -> None:
-            with torch.autocast(env.device.type, dtype=env.amp):
-                loss = loss_fn(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        elapsed = time_steps(env, step, self.args.warmup, self.args.steps)
+        elapsed = time_steps(env, eager_step(env, model, opt, x, y), self.args.warmup, self.args.steps)
         del model, opt
         return {"samples_s": round(batch_size * self.args.steps / elapsed, 1)}
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -220,3 +221,54 @@ def evaluate(pm: Any, data: ImageData, batch_size: int, *, logits: Callable[[Any
 def progress(iterable: Any, *, total: int, enabled: bool, desc: str) -> tqdm:
     """A progress bar on the reporting rank only; it clears itself at the end of the epoch."""
     return tqdm(iterable, total=total, disable=not enabled, desc=desc, dynamic_ncols=True, leave=False)
+
+
+def fit(pm: Any, optimizer: torch.optim.Optimizer, data: ImageData, args: argparse.Namespace, *,
+        max_norm: float | None = None, logits: Callable[[Any], torch.Tensor] = lambda o: o) -> float:
+    """The training loop every example shares; returns the final test accuracy.
+
+    Prints the partition report (rank 0), then per epoch: a progress bar, the train loss, test
+    accuracy and throughput on the reporting rank; warm-up + cosine LR; ``pm.step`` clips over
+    the whole mesh when ``max_norm`` is given. Ends the process group.
+    """
+    if dist.get_rank() == 0:
+        print(pm.report(), flush=True)
+    dist.barrier()  # the report prints before any progress bar starts
+    steps_per_epoch = len(data.train_x) // (args.batch_size * pm.dp_size)
+    total_steps = steps_per_epoch * args.epochs
+    if args.max_steps is not None:
+        total_steps = min(total_steps, args.max_steps)
+    scheduler = warmup_cosine(optimizer, total_steps, args.warmup)
+    reporter = is_reporter(pm)
+
+    step, accuracy = 0, 0.0
+    for epoch in range(1, args.epochs + 1):
+        pm.train()
+        batches = train_batches(data, args.batch_size, pm.dp_rank, pm.dp_size, epoch=epoch, seed=args.seed)
+        bar = progress(batches, total=min(steps_per_epoch, total_steps - step), enabled=reporter,
+                       desc=f"epoch {epoch}/{args.epochs}")
+        loss_sum, seen, start = 0.0, 0, time.perf_counter()
+        for images, labels in bar:
+            optimizer.zero_grad(set_to_none=True)
+            loss = pm.train_step(images, labels).item()  # this replica's mean loss, on every rank
+            pm.step(optimizer, max_norm=max_norm)
+            scheduler.step()
+            loss_sum, seen, step = loss_sum + loss, seen + 1, step + 1
+            bar.set_postfix(loss=f"{loss:.3f}", lr=f"{scheduler.get_last_lr()[0]:.2e}", refresh=False)
+            if step >= total_steps:
+                break
+        elapsed = time.perf_counter() - start
+        bar.close()
+        train_loss = world_mean(loss_sum / max(seen, 1), pm.device)
+        accuracy = evaluate(pm, data, args.batch_size, logits=logits, max_batches=args.max_steps)
+        if reporter:
+            samples = seen * args.batch_size * pm.dp_size
+            print(f"epoch {epoch}/{args.epochs}: train loss {train_loss:.4f}, test accuracy {accuracy:.4f}, "
+                  f"{samples / elapsed:.1f} samples/s ({elapsed:.1f} s)", flush=True)
+        if step >= total_steps:
+            break
+
+    if reporter:
+        print(f"final test accuracy: {accuracy:.4f}", flush=True)
+    dist.destroy_process_group()
+    return accuracy

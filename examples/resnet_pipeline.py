@@ -23,16 +23,13 @@ On GPUs (one process per GPU over NCCL; the same script, unchanged), on CIFAR-10
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torchvision
 
 import autopipe
-from _common import (add_training_args, evaluate, init_distributed, is_reporter, load_data,
-                     parse_training_args, progress, train_batches, warmup_cosine, world_mean)
+from _common import add_training_args, fit, init_distributed, load_data, parse_training_args
 
 # The forward of torchvision's ResNet as a chain: each item takes the previous item's output.
 EXEC_SEQUENCE = [
@@ -77,49 +74,9 @@ def main() -> None:
         model, (torch.randn(args.batch_size // args.microbatches, 3, 32, 32),), pp=args.pp,
         microbatches=args.microbatches, schedule=args.schedule, loss_fn=nn.CrossEntropyLoss(), **split,
     )
-    if dist.get_rank() == 0:
-        print(pm.report(), flush=True)
-    dist.barrier()  # the report prints before any progress bar starts
-
     optimizer = torch.optim.SGD(pm.parameters(), lr=args.lr, momentum=args.momentum, nesterov=True,
                                 weight_decay=args.weight_decay)
-    steps_per_epoch = len(data.train_x) // (args.batch_size * pm.dp_size)
-    total_steps = steps_per_epoch * args.epochs
-    if args.max_steps is not None:
-        total_steps = min(total_steps, args.max_steps)
-    scheduler = warmup_cosine(optimizer, total_steps, args.warmup)
-    reporter = is_reporter(pm)
-
-    step, accuracy = 0, 0.0
-    for epoch in range(1, args.epochs + 1):
-        pm.train()
-        batches = train_batches(data, args.batch_size, pm.dp_rank, pm.dp_size, epoch=epoch, seed=args.seed)
-        bar = progress(batches, total=min(steps_per_epoch, total_steps - step), enabled=reporter,
-                       desc=f"epoch {epoch}/{args.epochs}")
-        loss_sum, seen, start = 0.0, 0, time.perf_counter()
-        for images, labels in bar:
-            optimizer.zero_grad(set_to_none=True)
-            loss = pm.train_step(images, labels).item()
-            pm.step(optimizer)
-            scheduler.step()
-            loss_sum, seen, step = loss_sum + loss, seen + 1, step + 1
-            bar.set_postfix(loss=f"{loss:.3f}", lr=f"{scheduler.get_last_lr()[0]:.2e}", refresh=False)
-            if step >= total_steps:
-                break
-        elapsed = time.perf_counter() - start
-        bar.close()
-        train_loss = world_mean(loss_sum / max(seen, 1), pm.device)
-        accuracy = evaluate(pm, data, args.batch_size, max_batches=args.max_steps)  # running BN statistics
-        if reporter:
-            samples = seen * args.batch_size * pm.dp_size
-            print(f"epoch {epoch}/{args.epochs}: train loss {train_loss:.4f}, test accuracy {accuracy:.4f}, "
-                  f"{samples / elapsed:.1f} samples/s ({elapsed:.1f} s)", flush=True)
-        if step >= total_steps:
-            break
-
-    if reporter:
-        print(f"final test accuracy: {accuracy:.4f}", flush=True)
-    dist.destroy_process_group()
+    fit(pm, optimizer, data, args)
 
 
 if __name__ == "__main__":

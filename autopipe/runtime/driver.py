@@ -193,7 +193,7 @@ class PipelineDriver:
         return steps
 
     def _reset(self) -> None:
-        for (s, _), slot in getattr(self, "_slot", {}).items():  # a failed step's slots
+        for (s, _), slot in self._slot.items():  # the slots a failed step still held
             self._graphs[s].release(slot)
         self._slot = {}
         self._inputs: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> inputs handed over locally
