@@ -48,7 +48,7 @@ from autopipe.models import default_input, load_model
 from autopipe.partition import balance as balancer
 from autopipe.partition.cost import graph_costs
 from autopipe.partition.device import get_profile
-from autopipe.partition.partitioner import partition
+from autopipe.partition.partitioner import cut_latency_seconds, cut_seconds, partition
 from autopipe.tracer import trace
 
 MODELS = {
@@ -163,8 +163,8 @@ def stage_rows(plan: Any, profile: Any) -> list[dict[str, float]]:
     for s, stage in enumerate(plan.stages):
         received = plan.stages[s - 1].cut_bytes if s > 0 else 0
         sides = [b for b in (received, stage.cut_bytes if s + 1 < len(plan.stages) else 0) if b > 0]
-        comm = sum(2.0 * b / profile.link_bandwidth for b in sides)
-        latency = 2.0 * profile.link_latency * len(sides)
+        comm = sum(cut_seconds(b, profile) for b in sides)
+        latency = sum(cut_latency_seconds(b, profile) for b in sides)
         out.append({"compute": stage.compute_time, "comm": comm, "latency": latency,
                     "cost": max(stage.compute_time, comm) + latency, "in_bytes": received,
                     "out_bytes": stage.cut_bytes if s + 1 < len(plan.stages) else 0})

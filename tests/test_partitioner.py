@@ -46,7 +46,7 @@ def link_times(plan: PartitionPlan, link) -> list[tuple[float, float]]:
     for s, stage in enumerate(plan.stages):
         sides = [plan.stages[s - 1].cut_bytes] if s > 0 else []
         sides += [stage.cut_bytes] if s + 1 < plan.num_stages else []
-        comm = sum((2.0 * b / link.link_bandwidth for b in sides), 0.0)
+        comm = sum((b / link.link_bandwidth for b in sides), 0.0)  # full duplex: each direction once
         out.append((comm, 2.0 * link.link_latency * sum(b > 0 for b in sides)))
     return out
 

@@ -232,8 +232,8 @@ def partition(
     dag: LinearDag = linearize(graph, order + [sink])
     # See [Note: communication in the stage cost].
     cut_bytes = [int(b) for b in dag.cut_bytes[: len(order) - 1]]
-    cut_time = [2.0 * b / profile.link_bandwidth for b in cut_bytes]
-    cut_latency = [2.0 * profile.link_latency if b > 0 else 0.0 for b in cut_bytes]
+    cut_time = [cut_seconds(b, profile) for b in cut_bytes]
+    cut_latency = [cut_latency_seconds(b, profile) for b in cut_bytes]
     allowed = _allowed_cuts(nodes, gm)
     if sum(allowed) + 1 < n_stages:
         raise PartitionError(
@@ -271,9 +271,14 @@ def partition(
 # transfers overlap its compute. A stage [i, j) therefore takes
 #     max(compute, comm) + latency
 # - compute: its nodes' forward + backward seconds;
-# - comm: seconds moving the bytes of its input cut and of its output cut, each twice
-#   (activations forward, their gradients back): 2 * bytes / link_bandwidth per cut;
-# - latency: link_latency per transfer, so 2 per cut, which overlap does not hide.
+# - comm: seconds the link is busy with the bytes of its input cut and of its output cut.
+#   Each cut moves its bytes twice, activations forward and their gradients back, but in
+#   opposite directions, and links (NVLink, PCIe, InfiniBand, Ethernet) are full duplex:
+#   a stage receives its inputs and its outputs' gradients (in + out bytes inbound) while it
+#   sends its outputs and its inputs' gradients (as many outbound). So comm is
+#   (in + out) / link_bandwidth: bytes / link_bandwidth per cut (``cut_seconds``);
+# - latency: link_latency per transfer, so 2 per cut, which overlap does not hide
+#   (``cut_latency_seconds``).
 # The balancer (balance.solve_overlapped) minimises the largest such time exactly, so it
 # avoids a cut at a huge activation only where that would make a stage link-bound; the plan's
 # StagePlan.cost and imbalance come from balance.overlapped_stage_times, the same formula to
@@ -281,6 +286,17 @@ def partition(
 # The largest stage time sets the pipeline's step time, so that is what is minimised. The
 # plan's imbalance (largest over mean) is not: latencies and link-bound excess move the
 # mean with the cuts, and a split with a slower largest stage can show a lower ratio.
+
+
+def cut_seconds(nbytes: float, profile: DeviceProfile) -> float:
+    """Link seconds a cut of ``nbytes`` adds to each stage beside it; see
+    [Note: communication in the stage cost]."""
+    return float(nbytes) / profile.link_bandwidth
+
+
+def cut_latency_seconds(nbytes: float, profile: DeviceProfile) -> float:
+    """Latency a cut adds to each stage beside it: two transfers (activations, gradients)."""
+    return 2.0 * profile.link_latency if nbytes > 0 else 0.0
 
 
 def _cut_tensors(names: Sequence[str], by_name: Mapping[str, fx.Node],
