@@ -6,9 +6,11 @@ Every node of a graph that follows [Note: the autopipe graph] is priced from the
 from __future__ import annotations
 
 import builtins
+import itertools
 import math
 import operator
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -20,6 +22,8 @@ from torch.utils import _pytree as pytree
 
 from autopipe.errors import ConfigError
 from autopipe.graph import tensor_bytes, tensor_values, value_bytes, value_of
+from autopipe.tracer.fx_route import trace_fx
+from autopipe.tracer.shapes import to_meta
 
 __all__ = [
     "NodeCost",
@@ -72,7 +76,8 @@ class NodeCost:
     """What one node costs per micro-batch; see [Note: cost conventions] in cost.py.
 
     ``kind`` says which units do the FLOPs (``MATMUL_KINDS`` or vector) and whether the node
-    launches work at all (``FREE_KINDS`` do not).
+    launches work at all (``FREE_KINDS`` do not). A module costed by what it runs (kind
+    ``"composite"``, see [Note: composite modules]) lists its inner kernels in ``parts``.
     """
 
     fwd_flops: float
@@ -84,6 +89,7 @@ class NodeCost:
     saved_bytes: int
     out_bytes: int
     kind: str = "elementwise"
+    parts: tuple[NodeCost, ...] = ()
 
 
 @dataclass
@@ -425,11 +431,18 @@ def _canonical(name: str) -> str:
     return name[:-1] if name.endswith("_") and not name.endswith("__") else name
 
 
+def _module_rule(module: nn.Module) -> tuple[str, Rule] | None:
+    for cls in type(module).__mro__:
+        if cls in MODULE_RULES:
+            return cls.__name__, MODULE_RULES[cls]
+    return None
+
+
 def _rule_for(node: fx.Node, module: nn.Module | None) -> tuple[str, Rule]:
     if node.op == "call_module":
-        for cls in type(module).__mro__ if module is not None else ():
-            if cls in MODULE_RULES:
-                return cls.__name__, MODULE_RULES[cls]
+        found = _module_rule(module) if module is not None else None
+        if found is not None:
+            return found
         if module is not None and any(True for _ in module.parameters()) and type(module) not in _warned_modules:
             _warned_modules.add(type(module))
             warnings.warn(f"autopipe cost: no rule for leaf module {type(module).__qualname__} "
@@ -511,6 +524,10 @@ def _node_cost(gm: fx.GraphModule, node: fx.Node, params: list[nn.Parameter]) ->
             pass
     if not any(True for _ in tensor_values(value_of(node))):
         return _assemble(free, _Work("none"), params)  # shapes, asserts, guards: no tensor work
+    if module is not None and _module_rule(module) is None and any(True for _ in module.children()):
+        parts = _composite_parts(node, module)
+        if parts is not None:
+            return _composite(parts, params, value_of(node))
     name, rule = _rule_for(node, module)
     op = _make_op(gm, node, name, module)
     try:
@@ -520,6 +537,80 @@ def _node_cost(gm: fx.GraphModule, node: fx.Node, params: list[nn.Parameter]) ->
                       f"({node.op} {node.target}): {e!r}; costed as elementwise", stacklevel=2)
         work = _DEFAULT(op)
     return _assemble(op, work, params)
+
+
+# [Note: composite modules]
+# A call_module node whose module has no rule but has children is a block that a route kept
+# opaque: the sequence route's items (ResNet's layer1, an nn.Sequential of Bottlenecks) or a
+# user's leaf_modules. It is priced by what it runs: the module alone is traced with the fx
+# route's leaves, the node's input values (meta tensors) are propagated through it on the
+# meta device, and every inner node is costed by the rules above. Its totals (FLOPs, bytes,
+# saved bytes) are the inner sums, so it costs what the fx graph of the same block costs;
+# its parameters are its own, all of them (see _owned_params); out_bytes is its output.
+# One summed NodeCost would need one kind, and a block mixing convs (matmul units) with
+# norms and activations (vector units, memory-bound) has none that prices it right, so the
+# inner nodes that launch work are kept in ``parts`` and DeviceProfile.node_time times each.
+# A module that cannot be traced or propagated is costed as an unknown leaf (elementwise,
+# with its warning). Inner costs are cached per module object, training flag and inputs.
+
+_composite_cache: weakref.WeakKeyDictionary[nn.Module, dict[Any, tuple[NodeCost, ...] | None]] = (
+    weakref.WeakKeyDictionary())
+
+
+class _MetaPropagator(fx.Interpreter):
+    """Runs a graph on meta tensors, recording node.meta["val"]; weights are read as meta."""
+
+    def get_attr(self, target: Any, args: Any, kwargs: Any) -> Any:
+        return to_meta(super().get_attr(target, args, kwargs))
+
+    def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
+        m = self.fetch_attr(target)
+        state = {k: to_meta(v) for k, v in itertools.chain(m.named_parameters(), m.named_buffers())}
+        return torch.func.functional_call(m, state, tuple(args), kwargs)
+
+    def run_node(self, n: fx.Node) -> Any:
+        n.meta["val"] = to_meta(super().run_node(n))
+        return n.meta["val"]
+
+
+def _inputs_key(module: nn.Module, inputs: tuple) -> Any:
+    leaves, spec = pytree.tree_flatten(inputs)
+    sig = tuple((tuple(x.shape), x.stride(), x.dtype) if isinstance(x, torch.Tensor) else repr(x)
+                for x in leaves)
+    return module.training, str(spec), sig
+
+
+def _composite_parts(node: fx.Node, module: nn.Module) -> tuple[NodeCost, ...] | None:
+    """The launched inner costs of ``module`` on ``node``'s inputs; None if it cannot be traced."""
+    if node.kwargs:
+        return None
+    inputs = tuple(value_of(a) if isinstance(a, fx.Node) else a for a in node.args)
+    cache = _composite_cache.setdefault(module, {})
+    key = _inputs_key(module, inputs)
+    if key not in cache:
+        modes = {m: m.training for m in module.modules()}  # trace_fx toggles train()/eval()
+        try:
+            inner = trace_fx(module)
+            _MetaPropagator(inner).run(*inputs)
+        except Exception:  # untraceable, data-dependent, ...: the unknown-leaf fallback
+            cache[key] = None
+        else:
+            cache[key] = tuple(p for c in graph_costs(inner).values() for p in (c.parts or (c,))
+                               if p.kind not in FREE_KINDS)
+        finally:
+            for m, training in modes.items():
+                m.training = training
+    return cache[key]
+
+
+def _composite(parts: tuple[NodeCost, ...], params: list[nn.Parameter], out: Any) -> NodeCost:
+    def total(field: str) -> Any:
+        return sum(getattr(p, field) for p in parts)
+
+    return NodeCost(float(total("fwd_flops")), float(total("bwd_flops")), float(total("fwd_bytes")),
+                    float(total("bwd_bytes")), sum(p.numel() for p in params),
+                    sum(tensor_bytes(p) for p in params), int(total("saved_bytes")), value_bytes(out),
+                    "composite", parts)
 
 
 def node_cost(gm: fx.GraphModule, node: fx.Node) -> NodeCost:

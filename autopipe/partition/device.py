@@ -48,8 +48,11 @@ class DeviceProfile:
     def node_time(self, c: NodeCost, *, backward: bool = False) -> float:
         """Roofline: the slower of compute and memory traffic, plus one launch overhead.
 
-        Views and non-tensor nodes launch nothing and take 0 s.
+        Views and non-tensor nodes launch nothing and take 0 s. A composite module is the sum
+        of its inner kernels, each on its own units ([Note: composite modules] in cost.py).
         """
+        if c.parts:
+            return sum(self.node_time(p, backward=backward) for p in c.parts)
         flops, nbytes = (c.bwd_flops, c.bwd_bytes) if backward else (c.fwd_flops, c.fwd_bytes)
         if c.kind in FREE_KINDS or (flops == 0 and nbytes == 0):
             return 0.0
