@@ -25,6 +25,7 @@ from .partition.plan import PartitionPlan
 from .runtime.driver import PipelineDriver
 from .runtime.p2p import TensorSpec
 from .runtime.timeline import Timeline
+from .runtime.weight_casts import WeightCasts
 from .tracer import TracedModel
 from .training import LossScaler, average_gradients, clip_gradients, global_grad_norm
 
@@ -106,6 +107,9 @@ class StageRuntime:
             return TensorSpec(c.shape, dtype)
 
         boundary = [[spec(c) for c in plan.stages[k].outputs] for k in range(last)]
+        # Linear layers read copies cast once per step; see [Note: weight casts].
+        self.weight_casts = WeightCasts.install(self.stages.values(), self.compute_dtype) \
+            if self.compute_dtype is not None else None
         for i, stage in self.stages.items():
             if self.compute_dtype is not None or self.activation_checkpointing:
                 _wrap_forward(stage, device_type=self.mesh.device.type, compute_dtype=self.compute_dtype,
@@ -257,6 +261,7 @@ class ParallelModel:
                 "pass one target per sample"
             )
         self._runtime.grad_scale = float(grad_scale)
+        self._refresh_weight_casts()
         try:
             result = self._runtime.driver.train_step(inputs, targets, return_outputs=return_outputs)
         finally:
@@ -296,7 +301,13 @@ class ParallelModel:
         """Forward only, keeping no activations; the model's outputs (a ModelOutput stays one)
         on the ranks of the last stage, None on the others. Uses the current train/eval mode."""
         inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+        self._refresh_weight_casts()
         return self._runtime.driver.eval_step(inputs)
+
+    def _refresh_weight_casts(self) -> None:
+        # The optimizer (or a load) may have changed the weights since the last step.
+        if self._runtime.weight_casts is not None:
+            self._runtime.weight_casts.refresh()
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip gradients by their global L2 norm over the whole model; returns the norm."""

@@ -200,9 +200,11 @@ def test_checkpoint_restores_the_fp16_loss_scale_and_extra(tmp_path):
                               mixed_precision="fp16")
     opt = torch.optim.SGD(pm.parameters(), lr=0.1)
     x, y = _data(0, 4)
-    for _ in range(2):
+    for i in range(2):
         opt.zero_grad()
         pm.train_step(x, y)
+        if i == 0:  # an overflow: the step is skipped and the scale halves
+            next(pm.parameters()).grad.view(-1)[0] = float("inf")
         scale = pm.step(opt).loss_scale
     state = {"step": 2, "rng": torch.get_rng_state(), "lr": [0.1, 0.01]}
     pm.save_checkpoint(tmp_path, opt, extra=state)
