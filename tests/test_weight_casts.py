@@ -143,3 +143,23 @@ def test_cuda_weight_gradient_is_one_fp32_output_gemm():
     assert weight_casts._mm_out_dtype is True  # torch.mm(..., out_dtype=float32), not a fallback
     expected = g.bfloat16().double().reshape(-1, 512).t() @ x.bfloat16().double().reshape(-1, 256)
     torch.testing.assert_close(lin.weight.grad.double(), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_row_parallel_layers_cast_their_weight_and_leave_the_bias_to_the_graph():
+    from autopipe.shard.modules import RowParallelLinear, copy_module
+
+    torch.manual_seed(5)
+    lin = nn.Linear(16, 8)
+    row = copy_module(lin, RowParallelLinear)
+    class LinearLeaves(fx.Tracer):
+        def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+            return isinstance(m, nn.Linear)
+
+    root = nn.Sequential(row)
+    gm = fx.GraphModule(root, LinearLeaves().trace(root))
+    casts = WeightCasts.install([gm], torch.bfloat16)
+    assert len(casts) == 1  # the weight; the bias is not read by this layer
+    x = torch.randn(4, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        got, want = gm(x), torch.nn.functional.linear(x, lin.weight)
+    assert torch.equal(got, want)

@@ -12,13 +12,14 @@ its weight and bias and a forward that reads it; ``refresh`` recasts every copy,
 step, before the first micro-batch (``ParallelModel`` calls it at each train and eval step).
 The backward computes the weight gradient directly in fp32 from the bf16 operands (one
 GEMM with fp32 output, ``torch.mm(..., out_dtype=torch.float32)`` on CUDA), which autograd
-adds to ``.grad`` as before; the bias gradient is summed in fp32.
+adds to ``.grad`` as before; the bias gradient is summed in fp32. Row-parallel layers
+(shard/modules.py: the same GEMM, their bias added after the all-reduce) take the same path.
 
 Forward results equal autocast's bit for bit (the same casts feed the same GEMM); weight
 gradients are at least as precise (they are not rounded to bf16 before being accumulated).
 The copies are plain tensors, never reallocated, so CUDA graphs capture reads of them and
-``refresh`` (outside any graph) updates what the replays read. Layers whose class overrides
-``forward`` (the tensor-parallel ones) keep autocast's path.
+``refresh`` (outside any graph) updates what the replays read. Other subclasses that
+override ``forward`` keep autocast's path.
 """
 from __future__ import annotations
 
@@ -79,6 +80,19 @@ def _forward(module: nn.Linear, weight_low: torch.Tensor, bias_low: torch.Tensor
     return _CastLinear.apply(x, module.weight, module.bias, weight_low, bias_low)
 
 
+def _forward_without_bias(module: nn.Linear, weight_low: torch.Tensor, _: None, x: torch.Tensor) -> torch.Tensor:
+    return _CastLinear.apply(x, module.weight, None, weight_low, None)
+
+
+def _linear_forwards() -> dict:
+    from autopipe.shard.modules import RowParallelLinear  # its bias is added after the all-reduce
+
+    return {nn.Linear.forward: _forward, RowParallelLinear.forward: _forward_without_bias}
+
+
+_FORWARDS = _linear_forwards()
+
+
 def _called_modules(stage: nn.Module) -> list[nn.Module]:
     """The leaf modules a stage's graph calls (a module used only by another's forward, as
     MultiheadAttention uses its out_proj, is not called)."""
@@ -101,15 +115,14 @@ class WeightCasts:
         seen: set[int] = set()
         for stage in stages:
             for module in _called_modules(stage):
-                if type(module).forward is not nn.Linear.forward or id(module) in seen:
-                    continue
-                if not isinstance(module, nn.Linear) or not module.weight.is_floating_point():
+                forward = _FORWARDS.get(type(module).forward)
+                if forward is None or id(module) in seen or not module.weight.is_floating_point():
                     continue
                 seen.add(id(module))
-                low = [torch.empty_like(p, dtype=dtype) if p is not None else None
-                       for p in (module.weight, module.bias)]
-                module.forward = functools.partial(_forward, module, *low)  # the instance's own
-                for p, c in zip((module.weight, module.bias), low):
+                weight, bias = module.weight, module.bias if forward is _forward else None
+                low = [torch.empty_like(p, dtype=dtype) if p is not None else None for p in (weight, bias)]
+                module.forward = functools.partial(forward, module, *low)  # the instance's own
+                for p, c in zip((weight, bias), low):
                     if p is not None:
                         params.append(p)
                         copies.append(c)
