@@ -44,7 +44,11 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             out = torch.mm(a, b, out_dtype=torch.float32)
             _mm_out_dtype = True
             return out
-        except (TypeError, RuntimeError):
+        except torch.OutOfMemoryError:
+            raise
+        except (TypeError, RuntimeError):  # no out_dtype in this torch, or not for these operands
+            if _mm_out_dtype:
+                raise
             _mm_out_dtype = False
     return torch.mm(a.float(), b.float())
 
@@ -75,13 +79,15 @@ class _CastLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None
 
 
+# ``input`` as nn.Linear.forward names it, for callers that pass it by keyword.
 def _forward(module: nn.Linear, weight_low: torch.Tensor, bias_low: torch.Tensor | None,
-             x: torch.Tensor) -> torch.Tensor:
-    return _CastLinear.apply(x, module.weight, module.bias, weight_low, bias_low)
+             input: torch.Tensor) -> torch.Tensor:  # noqa: A002
+    return _CastLinear.apply(input, module.weight, module.bias, weight_low, bias_low)
 
 
-def _forward_without_bias(module: nn.Linear, weight_low: torch.Tensor, _: None, x: torch.Tensor) -> torch.Tensor:
-    return _CastLinear.apply(x, module.weight, None, weight_low, None)
+def _forward_without_bias(module: nn.Linear, weight_low: torch.Tensor, _: None,
+                          input: torch.Tensor) -> torch.Tensor:  # noqa: A002
+    return _CastLinear.apply(input, module.weight, None, weight_low, None)
 
 
 def _linear_forwards() -> dict:
