@@ -54,6 +54,7 @@ def parallelize(
     loss_fn: Callable[[Any, Any], torch.Tensor],
     balance: str | Sequence[str] = "cost",
     shard_rules: Sequence[Any] | None = None,
+    sequence_parallel: bool = False,
     leaf_modules: Iterable[type | str] = (),
     exec_sequence: Sequence[Any] | None = None,
     mixed_precision: str | None = None,
@@ -72,7 +73,9 @@ def parallelize(
     loss scale (step with :meth:`ParallelModel.step`). ``cuda_graphs=True`` captures each
     stage's forward and backward in CUDA graphs at the first train step and replays them (GPU,
     tp=1; see autopipe/runtime/graphs.py): worth it where micro-batches are small enough for
-    kernel launches to dominate.
+    kernel launches to dominate. ``sequence_parallel=True`` (tp > 1) splits the layers between
+    the sharded pairs (norms, residual adds) across the tp ranks by sample, with reduce-scatter
+    and all-gather in place of each all-reduce (see [Note: sequence parallelism]).
     """
     # 1. Local checks: every rank raises the same error before any collective.
     if isinstance(example_inputs, torch.Tensor):
@@ -99,7 +102,7 @@ def parallelize(
     if tp > 1:
         from .shard import apply_sharding, plan_sharding
 
-        shard_plan = plan_sharding(traced, tp, rules=shard_rules)
+        shard_plan = plan_sharding(traced, tp, rules=shard_rules, sequence_parallel=sequence_parallel)
         traced = apply_sharding(traced, shard_plan, tp_rank, group="tp")
 
     # 4. Partition.

@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--pp", type=int, required=True, help="pipeline degree")
     report.add_argument("--chunks", type=int, default=1, help="model chunks per pipeline rank (default 1)")
     report.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    report.add_argument("--sequence-parallel", action="store_true",
+                        help="with --tp: split norms and residuals across the tp ranks by sample")
     report.add_argument("--batch", type=int, required=True, help="global batch size")
     report.add_argument("--microbatches", type=int, default=1, help="micro-batches per batch (default 1)")
     report.add_argument("--balance", choices=BALANCE_MODES, default=None, help="how to balance (default cost)")
@@ -85,6 +87,7 @@ def _report(args: argparse.Namespace) -> None:
         device=args.device,
         schedule=args.schedule,
         mem_cap=None if args.mem_cap_gib is None else args.mem_cap_gib * 2**30,
+        sequence_parallel=args.sequence_parallel,
     )
     print(plan)
     if args.json:

@@ -266,6 +266,10 @@ class ParallelModel:
             result = self._runtime.driver.train_step(inputs, targets, return_outputs=return_outputs)
         finally:
             self._runtime.grad_scale = 1.0
+        if self._shard_plan is not None and self._shard_plan.sequence_parallel_params:
+            from .shard import reduce_sequence_parallel_grads
+
+            reduce_sequence_parallel_grads(self.named_parameters(), self._shard_plan, self._mesh.tp_group)
         loss = result[0] if return_outputs else result
         scale = (self._scaler.scale if self._scaler is not None else 1.0) * grad_scale
         if scale != 1.0:

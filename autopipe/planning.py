@@ -5,7 +5,7 @@ the meta device, price the nodes (sharded when tp > 1), cut into stages.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Iterable, Sequence
 
 import torch
 import torch.nn as nn
@@ -15,7 +15,7 @@ from .models import default_input, load_model
 from .partition.partitioner import partition
 from .partition.plan import PartitionPlan
 from .runtime.schedule import validate as validate_schedule
-from .tracer import TracedModel, trace
+from .tracer import trace
 
 __all__ = ["plan_model", "microbatch_size", "default_schedule"]
 
@@ -41,16 +41,6 @@ def default_schedule(chunks: int) -> str:
     return "1f1b" if chunks == 1 else "interleaved_1f1b"
 
 
-def _sharded_costs(traced: TracedModel, tp: int) -> Mapping[str, Any] | None:
-    """Per-node costs under tensor parallelism of degree ``tp``; None means unsharded costs.
-
-    The seam for shard/: once a ShardPlan exists it prices each node under its sharding
-    (compute divided by tp, all-reduces added) and returns the costs that partition() takes.
-    """
-    del traced, tp  # Unsharded costs until shard/ lands: the plan records tp but prices tp=1.
-    return None
-
-
 def plan_model(
     model: nn.Module | str,
     *,
@@ -68,6 +58,7 @@ def plan_model(
     model_name: str | None = None,
     route: str = "auto",
     leaf_modules: Iterable[type | str] = (),
+    sequence_parallel: bool = False,
 ) -> PartitionPlan:
     """Plan ``model`` for ``pp`` x ``chunks`` stages of ``tp``-way tensor parallelism.
 
@@ -75,6 +66,8 @@ def plan_model(
     :func:`autopipe.models.load_model`. Give ``example_inputs`` for one micro-batch, or the
     global ``batch`` (split into ``microbatches``) and an image batch is made for it.
     ``mem_cap`` is in bytes per stage; ``schedule`` defaults to :func:`default_schedule`.
+    With ``tp > 1`` the graph of one tp rank is planned, as ``parallelize`` plans it: sharded
+    layers at 1/tp of their work, the tensor-parallel collectives priced on the link.
     """
     schedule = schedule or default_schedule(chunks)
     # Refuse a schedule that cannot run before the (slower) trace, with the schedule's own reason.
@@ -94,6 +87,11 @@ def plan_model(
         raise ConfigError(f"mem_cap must be a positive number of bytes, got {mem_cap!r}")
 
     traced = trace(model, tuple(example_inputs), route=route, leaf_modules=leaf_modules)
+    if tp > 1:
+        from .shard import apply_sharding, plan_sharding
+
+        shard_plan = plan_sharding(traced, tp, sequence_parallel=sequence_parallel)
+        traced = apply_sharding(traced, shard_plan, 0)  # rank 0's graph; collectives stand in (no group)
     return partition(
         traced,
         pp,
@@ -104,6 +102,5 @@ def plan_model(
         device=device,
         schedule=schedule,
         mem_cap=mem_cap,
-        costs=_sharded_costs(traced, tp),
         model_name=name,
     )

@@ -151,7 +151,8 @@ def gather_max(env: Env, value: float) -> float:
 
 
 # ----------------------------------------------------------------------------- correctness
-def check_equivalence(env: Env, pp: int, tp: int, schedule: str, chunks: int, graphs: bool = False) -> float:
+def check_equivalence(env: Env, pp: int, tp: int, schedule: str, chunks: int, graphs: bool = False,
+                      sequence_parallel: bool = False) -> float:
     """Max relative parameter error after 3 fp32 SGD steps against a one-GPU reference."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -167,7 +168,7 @@ def check_equivalence(env: Env, pp: int, tp: int, schedule: str, chunks: int, gr
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     pm = autopipe.parallelize(model, (torch.randn(n // m, 3, img, img),), pp=pp, tp=tp, microbatches=m,
                               schedule=schedule, chunks=chunks, loss_fn=loss_fn, device=env.device,
-                              cuda_graphs=graphs and env.cuda)
+                              cuda_graphs=graphs and env.cuda, sequence_parallel=sequence_parallel)
     pm.eval()
     opt = torch.optim.SGD(pm.parameters(), lr=0.05, momentum=0.9)
     for step in range(3):
@@ -254,7 +255,7 @@ class Bench:
 
     # --- autopipe
     def autopipe(self, batch_size: int, *, pp: int, tp: int, m: int, schedule: str, chunks: int = 1,
-                 graphs: bool = False) -> dict:
+                 graphs: bool = False, sequence_parallel: bool = False) -> dict:
         env = self.env
         t0 = time.perf_counter()
         model = self.fresh_model()
@@ -262,7 +263,7 @@ class Bench:
         pm = autopipe.parallelize(model, (x_mb,), pp=pp, tp=tp, microbatches=m, schedule=schedule, chunks=chunks,
                                   loss_fn=loss_fn, mixed_precision="bf16", device=env.device,
                                   profile=None if not env.cuda else "h200", record_timeline=pp > 1,
-                                  cuda_graphs=graphs and env.cuda)
+                                  cuda_graphs=graphs and env.cuda, sequence_parallel=sequence_parallel)
         build_s = time.perf_counter() - t0
         del model
         pm.train()
@@ -408,11 +409,11 @@ def suite(bench: Bench, which: str) -> None:
         if only is None or any(o in name for o in only):
             bench.record(name, batch_size, gpus, fn)
 
-    def check(pp: int, tp: int, sched: str, chunks: int, graphs: bool = False) -> None:
-        name = f"check autopipe pp={pp} tp={tp} {sched}" + (" graphs" if graphs else "")
+    def check(pp: int, tp: int, sched: str, chunks: int, graphs: bool = False, sp: bool = False) -> None:
+        name = f"check autopipe pp={pp} tp={tp} {sched}" + (" graphs" if graphs else "") + (" seq-par" if sp else "")
 
         def measure() -> dict:
-            err = check_equivalence(env, pp, tp, sched, chunks, graphs)
+            err = check_equivalence(env, pp, tp, sched, chunks, graphs, sp)
             return {"max_rel_err": err, "ok": err <= 1e-5}
 
         run(name, 0, pp * tp, measure)
@@ -420,12 +421,15 @@ def suite(bench: Bench, which: str) -> None:
     if which == "2":
         for args in ((2, 1, "1f1b", 1), (2, 1, "interleaved_1f1b", 2), (1, 2, "1f1b", 1)):
             check(*args)
+        check(1, 2, "1f1b", 1, sp=True)
         run("one GPU", B, 1, lambda: bench.single(B))
         run("one GPU", Btp, 1, lambda: bench.single(Btp))
         run("autopipe pp=2 1f1b", B, 2, lambda: bench.autopipe(B, pp=2, tp=1, m=m, schedule="1f1b"))
         run("autopipe pp=2 interleaved", B, 2,
             lambda: bench.autopipe(B, pp=2, tp=1, m=m, schedule="interleaved_1f1b", chunks=2))
         run("autopipe tp=2", Btp, 2, lambda: bench.autopipe(Btp, pp=1, tp=2, m=1, schedule="1f1b"))
+        run("autopipe tp=2 sequence parallel", Btp, 2,
+            lambda: bench.autopipe(Btp, pp=1, tp=2, m=1, schedule="1f1b", sequence_parallel=True))
         for sched, chunks in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)):
             run(f"torch pipelining pp=2 {sched}", B, 2,
                 lambda s=sched, c=chunks: bench.torch_pipeline(B, pp=2, m=m, schedule=s, chunks=c))
@@ -447,9 +451,12 @@ def suite(bench: Bench, which: str) -> None:
                                              graphs=True))
     else:
         check(2, 2, "1f1b", 1)
+        check(2, 2, "1f1b", 1, sp=True)
         check(4, 1, "1f1b", 1)
         run("one GPU", B, 1, lambda: bench.single(B))
         run("autopipe pp=2 x tp=2 1f1b", B, 4, lambda: bench.autopipe(B, pp=2, tp=2, m=m, schedule="1f1b"))
+        run("autopipe pp=2 x tp=2 1f1b sequence parallel", B, 4,
+            lambda: bench.autopipe(B, pp=2, tp=2, m=m, schedule="1f1b", sequence_parallel=True))
         run("autopipe pp=4 1f1b", B, 4, lambda: bench.autopipe(B, pp=4, tp=1, m=m, schedule="1f1b"))
         run("autopipe pp=4 interleaved", B, 4,
             lambda: bench.autopipe(B, pp=4, tp=1, m=m, schedule="interleaved_1f1b", chunks=2))

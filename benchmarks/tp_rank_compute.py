@@ -4,6 +4,8 @@ autopipe tp=2 on two GPUs runs each rank's shard of the model plus the all-reduc
 shards. This times the shard alone (``apply_sharding(..., group=None)`` makes every collective
 the identity) next to the whole model on the same batch, so the compute side of a tp step can
 be told apart from its communication: a perfect split takes half the whole model's time.
+With ``sequence_parallel`` the stand-in collectives keep rank 0's shapes (its slice of the
+samples between sharded pairs, every sample inside them).
 
     python benchmarks/tp_rank_compute.py --tp 2 --batch 128 --out tp_rank.json
 """
@@ -121,15 +123,17 @@ def main() -> None:
         model = copy.deepcopy(base).to(device).train()
         return training_step(model, x, y, None, graphed)
 
-    def shard(graphed: bool) -> Callable[[], None]:
-        traced = trace(copy.deepcopy(base).train(), (x[:2].cpu(),))
-        sharded = apply_sharding(traced, plan_sharding(traced, a.tp), 0, group=None)
+    def shard(graphed: bool, sequence_parallel: bool = False) -> Callable[[], None]:
+        traced = trace(copy.deepcopy(base).train(), (x.cpu(),))
+        plan = plan_sharding(traced, a.tp, sequence_parallel=sequence_parallel)
+        sharded = apply_sharding(traced, plan, 0, group=None)
         gm = sharded.gm.to(device).train()
         casts = WeightCasts.install([gm], torch.bfloat16)
         return training_step(gm, x, y, casts, graphed)
 
     record("whole model, eager", lambda: whole(False))
     record(f"tp={a.tp} rank 0 shard, eager", lambda: shard(False))
+    record(f"tp={a.tp} rank 0 shard, seq. parallel", lambda: shard(False, sequence_parallel=True))
     if cuda:
         record("whole model, CUDA graph", lambda: whole(True))
         record(f"tp={a.tp} rank 0 shard, CUDA graph", lambda: shard(True))

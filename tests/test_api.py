@@ -64,12 +64,15 @@ def _reference(model_name, optimizer, replicas, max_norm=None):
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _parallel(rank, world, model_name, optimizer, pp, tp, chunks, schedule, microbatches, max_norm):
+def _parallel(rank, world, model_name, optimizer, pp, tp, chunks, schedule, microbatches, max_norm,
+              sequence_parallel=False):
     torch.manual_seed(0)
     model = _build(model_name, optimizer)
     mb = BATCH // microbatches
     pm = autopipe.parallelize(model, (torch.randn(mb, 3, 32, 32, dtype=_dtype(optimizer)),), pp=pp, tp=tp, chunks=chunks,
-                              schedule=schedule, microbatches=microbatches, loss_fn=_loss)
+                              schedule=schedule, microbatches=microbatches, loss_fn=_loss,
+                              sequence_parallel=sequence_parallel)
+    assert pm.shard_plan is None or pm.shard_plan.sequence_parallel == sequence_parallel
     pm.eval()  # dropout-free reference; BatchNorm statistics are covered in the runtime tests
     opt = _optimizer(optimizer, pm.parameters())
     losses = []
@@ -109,6 +112,17 @@ def test_pp2_tp2(model_name, optimizer):
 def test_pp2_tp2_dp2_with_clipping(model_name):
     results = run_distributed(_parallel, 8, model_name, "sgd", 2, 2, 1, "1f1b", 2, 0.5, timeout=400)
     _check(results, model_name, "sgd", max_norm=0.5)
+
+
+@pytest.mark.parametrize("model_name", ["timm_vit", "hf_vit"])
+def test_pp2_tp2_sequence_parallel(model_name):
+    results = run_distributed(_parallel, 4, model_name, "adamw", 2, 2, 1, "1f1b", 4, None, True, timeout=300)
+    _check(results, model_name, "adamw")
+
+
+def test_pp2_tp2_dp2_sequence_parallel_with_clipping():
+    results = run_distributed(_parallel, 8, "timm_vit", "sgd", 2, 2, 1, "1f1b", 2, 0.5, True, timeout=400)
+    _check(results, "timm_vit", "sgd", max_norm=0.5)
 
 
 def test_interleaved_pp2_chunks2_dp2():

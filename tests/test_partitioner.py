@@ -147,3 +147,20 @@ def test_tp_collectives_are_priced_in_the_stage_cost():
     comm = [tp_collective_seconds(n, costs[n.name], 2, profile) for n in sharded.gm.graph.nodes]
     assert sum(c > 0 for c in comm) >= 8  # f and g around each attention and MLP of 2 blocks
     assert with_comm.stages[0].cost == pytest.approx(without.stages[0].cost + sum(comm), rel=1e-9)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_a_tp_plan_prices_one_ranks_share_of_the_work(sequence_parallel):
+    """plan_model (the CLI's path) plans the graph of one tp rank, as parallelize does: the
+    matmuls of sharded layers (row-parallel ones included) at half their FLOPs for tp=2."""
+    from autopipe.planning import plan_model
+    from tests.models import MODELS
+
+    x = torch.randn(4, 3, 32, 32)
+    whole = plan_model(MODELS["timm_vit"](), pp=2, example_inputs=(x,))
+    half = plan_model(MODELS["timm_vit"](), pp=2, tp=2, example_inputs=(x,), sequence_parallel=sequence_parallel)
+    assert half.tp == 2 and half.total_params < 0.6 * whole.total_params
+    flops = sum(s.flops for s in half.stages) / sum(s.flops for s in whole.stages)
+    # ~0.5 of the FLOPs: norms, residuals and the replicated head keep a little more on each rank
+    # (sequence parallelism splits the first two by sample as well).
+    assert 0.45 < flops < 0.6, flops

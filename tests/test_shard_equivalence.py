@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
 from autopipe.shard import (ShardRule, apply_sharding, column_parallel_head, gather_full_state_dict,
-                            manual_seed_tp, plan_sharding, register_group, register_rule, unregister_rule)
+                            manual_seed_tp, plan_sharding, reduce_sequence_parallel_grads, register_group,
+                            register_rule, unregister_rule)
 from autopipe.tracer import trace
 from tests import models
 from tests.distributed import run_distributed
@@ -71,6 +72,12 @@ CASES: dict[str, Callable[[], nn.Module]] = {
 }
 
 
+# The same models with sequence parallelism: the regions between sharded pairs split by sample.
+SP_CASES = ("timm_vit", "hf_vit", "tv_vit", "timm_mixer", "tv_resnet_bottleneck")
+SP = "+sequence_parallel"
+ALL_CASES = [*CASES, *(c + SP for c in SP_CASES)]
+
+
 def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
     if name == "sgd":
         return torch.optim.SGD(params, lr=0.05, momentum=0.9)
@@ -78,11 +85,12 @@ def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
 
 
 def train(forward: Callable[[torch.Tensor], torch.Tensor], params: Any, opt_name: str,
-          x: torch.Tensor, y: torch.Tensor) -> None:
+          x: torch.Tensor, y: torch.Tensor, after_backward: Callable[[], None] = lambda: None) -> None:
     opt = make_optimizer(opt_name, params)
     for _ in range(STEPS):
         opt.zero_grad()
         F.cross_entropy(forward(x), y).backward()
+        after_backward()
         opt.step()
 
 
@@ -135,12 +143,19 @@ def prepare(tp: int, tmp: str) -> dict[str, Any]:
         for r in range(tp):
             per_rank[r][case] = (apply_sharding(traced, plan, r, group="tp").gm, plan)
         refs[case] = reference(model, x, y)
+        if case in SP_CASES:
+            plan = plans[case + SP] = plan_sharding(traced, tp, sequence_parallel=True)
+            for r in range(tp):
+                per_rank[r][case + SP] = (apply_sharding(traced, plan, r, group="tp").gm, plan)
+            refs[case + SP] = refs[case]
     torch.manual_seed(0)
     drop = DropMLP()
     traced = trace(drop, (torch.randn(8, 16),))
     plan = plan_sharding(traced, tp)
+    sp_plan = plan_sharding(traced, tp, sequence_parallel=True)
     for r in range(tp):
         per_rank[r]["dropout"] = apply_sharding(traced, plan, r, group="tp").gm
+        per_rank[r]["dropout" + SP] = apply_sharding(traced, sp_plan, r, group="tp").gm
     for r in range(tp):
         torch.save(per_rank[r], os.path.join(tmp, f"rank{r}.pt"))
     torch.save(refs, os.path.join(tmp, "ref.pt"))
@@ -167,7 +182,7 @@ def world_worker(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     refs = torch.load(os.path.join(tmp, "ref.pt"), weights_only=False)
     x, y = refs["x"], refs["y"]
     results: dict[str, Any] = {}
-    for case in CASES:
+    for case in ALL_CASES:
         gm, plan = mine[case]
         ref = refs[case]
         got = {}
@@ -177,7 +192,8 @@ def world_worker(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
                 got[f"out_{mode}"] = excess(g(x)[0], ref[f"out_{mode}"])
         for opt in OPTIMIZERS:
             g = copy.deepcopy(gm).double().train()
-            train(lambda t: g(t)[0], g.parameters(), opt, x.double(), y)
+            train(lambda t: g(t)[0], g.parameters(), opt, x.double(), y,
+                  lambda: reduce_sequence_parallel_grads(g.named_parameters(), plan, dist.group.WORLD))
             full = gather_full_state_dict(g, plan, dist.group.WORLD)
             # Unpickling re-traces a GraphModule's code, which may add _tensor_constant buffers.
             extra = {k for k in full.keys() - ref[opt].keys() if not k.startswith("_tensor_constant")}
@@ -188,6 +204,9 @@ def world_worker(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     manual_seed_tp(0)
     drop = mine["dropout"].train()
     results["dropout"] = masks(drop, torch.randn(8, 16))
+    torch.manual_seed(0)
+    manual_seed_tp(0)
+    results["dropout" + SP] = masks(mine["dropout" + SP].train(), torch.randn(8, 16))
     results["after"] = torch.rand(4)  # the default stream must stay in step across tp ranks
     return results
 
@@ -204,7 +223,7 @@ def world(tp: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", ALL_CASES)
 def test_sharded_model_matches_unsharded(case: str, tp: int) -> None:
     results, plans = world(tp)
     assert plans[case].collectives, "nothing was sharded"
@@ -215,6 +234,17 @@ def test_sharded_model_matches_unsharded(case: str, tp: int) -> None:
         for opt in OPTIMIZERS:
             worst = max(got[opt], key=got[opt].get)
             assert got[opt][worst] <= 1, f"rank {rank}, {opt}: '{worst}' off by {got[opt][worst]:.1f}x the tolerance"
+
+
+def test_sequence_parallel_replaces_all_reduces_with_reduce_scatter_and_all_gather() -> None:
+    _, plans = world(2)
+    for case in ("timm_vit", "hf_vit", "tv_vit", "timm_mixer"):
+        kinds = [c.kind for c in plans[case + SP].collectives]
+        plain = [c.kind for c in plans[case].collectives]
+        assert "reduce_from_tp" not in kinds and kinds.count("reduce_scatter_tp") == plain.count("reduce_from_tp"), case
+        # Every sharded pair but the first takes its input by all-gather; the first, replicated, by f.
+        assert kinds.count("all_gather_tp") == plain.count("copy_to_tp") - 1, case
+        assert plans[case + SP].sequence_parallel and not plans[case].sequence_parallel
 
 
 def test_user_rules_change_the_plan() -> None:
@@ -237,5 +267,9 @@ def test_dropout_masks_differ_on_sharded_and_agree_on_replicated_activations(tp:
             assert not torch.equal(sharded[a], sharded[b]), f"ranks {a} and {b} drew the same mask"
     for m in replicated[1:]:
         assert torch.equal(m, replicated[0])
+    # Sequence parallelism gathers the samples before a dropout of the replicated region: the
+    # same mask on every rank, the one of the plain plan.
+    for r in results:
+        assert torch.equal(r["dropout" + SP]["drop2"], replicated[0])
     for r in results[1:]:
         assert torch.equal(r["after"], results[0]["after"])

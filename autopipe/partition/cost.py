@@ -199,7 +199,7 @@ def _matmul(first: int, *names: str) -> Rule:
 
 
 def _linear_module(op: _Op) -> _Work:
-    return _contract(op, op.module.in_features)
+    return _contract(op, op.module.weight.shape[1])  # not in_features: a tp shard's is the original's
 
 
 def _conv_flops(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, transposed: bool) -> float:

@@ -315,13 +315,19 @@ def _cut_tensors(names: Sequence[str], by_name: Mapping[str, fx.Node],
 def tp_collective_seconds(node: fx.Node, cost: NodeCost, tp: int, profile: DeviceProfile) -> float:
     """Time of the collective a sharded graph's ``node`` runs over ``tp`` ranks, per micro-batch
     (forward + backward): ring all-reduce moves 2 (tp - 1) / tp of the tensor per rank (f in
-    backward, g in forward), all-gather (tp - 1) / tp of the gathered tensor. 0 for other nodes."""
-    from ..shard.collectives import copy_to_tp, gather_from_tp, reduce_from_tp
+    backward, g in forward), all-gather and reduce-scatter (tp - 1) / tp of the whole tensor.
+    0 for other nodes."""
+    from ..shard import collectives as c
 
-    if node.op != "call_function" or node.target not in (copy_to_tp, reduce_from_tp, gather_from_tp):
+    # Ring collectives: reduce-scatter and all-gather each move (tp - 1) / tp of the whole tensor.
+    whole_moves = {c.copy_to_tp: 2 * (tp - 1) / tp, c.reduce_from_tp: 2 * (tp - 1) / tp,
+                   c.gather_from_tp: (tp - 1) / tp,
+                   c.all_gather_tp: 2 * (tp - 1) / tp,  # all-gather forward, reduce-scatter backward
+                   c.reduce_scatter_tp: 2 * (tp - 1),  # its output is 1/tp of the whole: both ways
+                   c.split_to_tp: tp - 1}  # all-gather backward, of a whole tp times its output
+    if node.op != "call_function" or node.target not in whole_moves:
         return 0.0
-    factor = 2 * (tp - 1) / tp if node.target is not gather_from_tp else (tp - 1) / tp
-    return profile.transfer_time(factor * cost.out_bytes)
+    return profile.transfer_time(whole_moves[node.target] * cost.out_bytes)
 
 
 def _build_plan(traced, nodes, costs, times, dag, starts, state, profile, activation_dtype, *, pp, chunks, tp,

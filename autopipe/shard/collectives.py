@@ -18,11 +18,16 @@ from ..errors import ConfigError
 
 __all__ = [
     "COLLECTIVES",
+    "DIM_COLLECTIVES",
     "register_group",
     "resolve_group",
     "copy_to_tp",
     "reduce_from_tp",
     "gather_from_tp",
+    "reduce_scatter_tp",
+    "all_gather_tp",
+    "split_to_tp",
+    "reduce_sequence_parallel_grads",
 ]
 
 _GROUPS: dict[str, Any] = {}
@@ -98,6 +103,64 @@ class _GatherFromTP(torch.autograd.Function):
         return grad.chunk(ctx.world, dim=ctx.dim)[ctx.rank].contiguous(), None, None
 
 
+def _gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(_world(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    world, rank = _world(group), dist.get_rank(group)
+    if dist.get_backend(group) == "gloo":  # gloo has no reduce-scatter: all-reduce, keep a slice
+        return _all_reduce(x, group).chunk(world, dim=dim)[rank].contiguous()
+    parts = [p.contiguous() for p in x.chunk(world, dim=dim)]
+    out = torch.empty_like(parts[rank])
+    dist.reduce_scatter(out, parts, group=group)
+    return out
+
+
+class _ReduceScatterTP(torch.autograd.Function):
+    """Partial sums leaving a sharded region into a batch-split one: reduce-scatter along ``dim``
+    forward, all-gather backward (see [Note: sequence parallelism] in layout.py)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _gather(grad, ctx.dim, ctx.group), None, None
+
+
+class _AllGatherTP(torch.autograd.Function):
+    """A batch-split tensor entering a sharded region: all-gather forward; backward, each rank
+    holds a partial gradient of the whole tensor: reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
+
+
+class _SplitToTP(torch.autograd.Function):
+    """A replicated tensor entering a batch-split region: keep this rank's slice forward,
+    all-gather the slices' gradients backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return x.chunk(_world(group), dim=dim)[dist.get_rank(group)].contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _gather(grad, ctx.dim, ctx.group), None, None
+
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -149,8 +212,68 @@ def gather_from_tp(x: torch.Tensor, dim: int, group_name: str | None = None, tp:
     return _GatherFromTP.apply(x, dim, group)
 
 
+def _split_collective(fn: Callable[..., Any], op: type, shapes_only: Callable[[torch.Tensor, int, int], torch.Tensor]
+                      ) -> Callable[..., Any]:
+    """A batch-split collective node: ``fn(x, dim, group_name, tp)``. Without a group it stands
+    in for rank 0 with the shapes the real one gives (planning graphs, one-GPU measurements)."""
+
+    @functools.wraps(fn)
+    def run(x: torch.Tensor, dim: int, group_name: str | None = None, tp: int = 1) -> torch.Tensor:
+        group = None if _shapes_only(x) else resolve_group(group_name)
+        if group is None:
+            return shapes_only(x, dim, tp) if tp > 1 else x
+        if _world(group) == 1:
+            return x
+        return op.apply(x, dim, group)
+
+    return fx_leaf(run)
+
+
+def _first_slice(x: torch.Tensor, dim: int, tp: int) -> torch.Tensor:
+    return x.chunk(tp, dim=dim)[0]
+
+
+def reduce_scatter_tp(x: torch.Tensor, dim: int, group_name: str | None = None, tp: int = 1) -> torch.Tensor:
+    """Sum partial ``x`` over the tp ranks, keep this rank's slice along ``dim``."""
+
+
+def all_gather_tp(x: torch.Tensor, dim: int, group_name: str | None = None, tp: int = 1) -> torch.Tensor:
+    """Concatenate every rank's slice along ``dim``; backward reduce-scatters the gradient."""
+
+
+def split_to_tp(x: torch.Tensor, dim: int, group_name: str | None = None, tp: int = 1) -> torch.Tensor:
+    """This rank's slice of a replicated ``x`` along ``dim``; backward all-gathers the gradient."""
+
+
+reduce_scatter_tp = _split_collective(reduce_scatter_tp, _ReduceScatterTP, _first_slice)
+all_gather_tp = _split_collective(all_gather_tp, _AllGatherTP, lambda x, dim, tp: torch.cat([x] * tp, dim=dim))
+split_to_tp = _split_collective(split_to_tp, _SplitToTP, _first_slice)
+
 COLLECTIVES = {
     "copy_to_tp": copy_to_tp,
     "reduce_from_tp": reduce_from_tp,
     "gather_from_tp": gather_from_tp,
+    "reduce_scatter_tp": reduce_scatter_tp,
+    "all_gather_tp": all_gather_tp,
+    "split_to_tp": split_to_tp,
 }
+# Collectives taking (x, dim, group_name, tp); the others take (x, group_name).
+DIM_COLLECTIVES = frozenset({"gather_from_tp", "reduce_scatter_tp", "all_gather_tp", "split_to_tp"})
+
+
+def reduce_sequence_parallel_grads(named_parameters: Any, plan: Any, group: Any) -> None:
+    """Sum over the tp ``group`` the gradients of the parameters a sequence-parallel ``plan``
+    applies to each rank's own samples (``plan.sequence_parallel_params``), after backward
+    and before the optimizer: one all-reduce per dtype. Every tp rank must call it."""
+    wanted = set(getattr(plan, "sequence_parallel_params", ()))
+    if not wanted or group is None or _world(group) == 1:
+        return
+    grads: dict[torch.dtype, list[torch.Tensor]] = {}
+    for name, p in named_parameters:
+        if name in wanted and p.grad is not None:
+            grads.setdefault(p.grad.dtype, []).append(p.grad)
+    for same in grads.values():
+        flat = torch.cat([g.reshape(-1) for g in same])
+        dist.all_reduce(flat, group=group)
+        for g, part in zip(same, flat.split([g.numel() for g in same])):
+            g.copy_(part.view_as(g))

@@ -5,6 +5,7 @@ as plain data, every collective to insert and every shape constant to make local
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,11 @@ class Sharded:
     dim: int
     outer: int = 1
     origin: str = field(default="", compare=False)  # the sharded layer it comes from (for errors)
+    tokens: bool = False  # split across samples in a sequence-parallel region, features whole
+
+    def moved(self, dim: int, outer: int | None = None) -> "Sharded":
+        """The same split, found at ``dim`` of another tensor."""
+        return Sharded(dim, self.outer if outer is None else outer, self.origin, self.tokens)
 
 
 @dataclass(frozen=True)
@@ -35,9 +41,11 @@ class Partial:
 @dataclass(frozen=True)
 class LocalShape:
     dim: int  # the entry of a shape tuple that is local at run time
+    tokens: bool = False
 
 
 LOCAL = "local"  # an int that is a local size at run time
+LOCAL_TOKENS = "local-tokens"  # the local number of samples of a sequence-parallel region
 
 
 @dataclass
@@ -46,6 +54,7 @@ class Result:
     collectives: list[CollectiveOp]
     edits: list[ShapeEdit]
     swaps: dict[str, str]
+    partial_params: list[str] = field(default_factory=list)  # see [Note: sequence parallelism]
 
 
 def _ndim(node: fx.Node) -> int:
@@ -67,13 +76,41 @@ def _dtype(node: fx.Node) -> str:
     return str(v.dtype).removeprefix("torch.") if isinstance(v, torch.Tensor) else ""
 
 
+# [Note: sequence parallelism]
+# Between a row-parallel layer and the next column-parallel one, plain tensor parallelism runs
+# the same work on every rank: the all-reduced activation is whole everywhere, so norms,
+# residual adds, casts and dropout are computed tp times (ViT-L at tp=2: a rank computes 1.30x
+# half the model, benchmarks/tp_rank_compute.py). With sequence_parallel=True (Megatron's
+# sequence parallelism) those regions are split across the ranks by sample (dim 0: the batch,
+# which a micro-batch keeps divisible by tp; ViT's 197 tokens are not), marked Sharded(tokens=True):
+# - a row-parallel output is reduce-scattered along dim 0 instead of all-reduced;
+# - a column-parallel input from such a region is all-gathered (its backward reduce-scatters:
+#   each rank holds a partial gradient of the whole input) instead of passed through f;
+# - a replicated tensor meeting a split one (the residual stream entering the first block)
+#   keeps this rank's slice (split_to_tp; backward all-gathers);
+# - ops that need every sample (BatchNorm, reductions over the batch, an active dropout, whose
+#   one-process mask covers every sample, and ops not known here) and the model's outputs
+#   all-gather first (gather_from_tp) and run replicated, so unknown ops cost speed, not
+#   correctness;
+# - a local sample count read from a split tensor's shape and used to shape a whole one is
+#   multiplied back (ShapeEdit "*tp"); other arithmetic on it is refused with a ShardingError;
+# - parameters applied to each rank's samples (norm weights, row-parallel biases, layer
+#   scales) get partial gradients: the plan lists them (sequence_parallel_params) and
+#   reduce_sequence_parallel_grads sums them over tp after backward (ParallelModel does).
+# Communication per layer pair is the same as the all-reduce's (reduce-scatter + all-gather),
+# and activation memory of the split regions drops by tp. Row outputs whose dim 0 does not
+# divide by tp keep the all-reduce.
+
+
 class _Propagator:
-    def __init__(self, gm: fx.GraphModule, claims: dict[str, Claim], tp: int):
-        self.gm, self.claims, self.tp = gm, claims, tp
+    def __init__(self, gm: fx.GraphModule, claims: dict[str, Claim], tp: int, sequence_parallel: bool = False):
+        self.gm, self.claims, self.tp, self.sp = gm, claims, tp, sequence_parallel
         self.lay: dict[str, Any] = {}
         self.collectives: dict[str, CollectiveOp] = {}
         self.edits: list[ShapeEdit] = []
         self.swaps: dict[str, str] = {}
+        self.visible: dict[str, str] = {}  # node -> the collective whose output its users see
+        self.partial_params: dict[str, None] = {}  # used on this rank's samples only: grads summed over tp
 
     # -- helpers -----------------------------------------------------------------------------
     def of(self, a: Any) -> Any:
@@ -95,24 +132,56 @@ class _Propagator:
             c = self.collectives[name]
             c.users = c.users + tuple(u.name for u in users if u.name not in c.users)
             return
+        # Bytes of the whole tensor, moved forward and backward (summaries; the partitioner prices
+        # the collective nodes of the rewritten graph itself).
         nbytes = value_bytes(value_of(src))
-        fwd, bwd = (0, nbytes) if kind == "copy_to_tp" else (nbytes, 0)
-        self.collectives[name] = CollectiveOp(name, kind, src.name, tuple(u.name for u in users), module,
+        fwd, bwd = {"copy_to_tp": (0, nbytes), "reduce_from_tp": (nbytes, 0), "gather_from_tp": (nbytes, 0),
+                    "reduce_scatter_tp": (nbytes, nbytes), "all_gather_tp": (nbytes, nbytes),
+                    "split_to_tp": (0, nbytes)}[kind]
+        # A reduced node's users see the reduction: a later collective on it takes that.
+        after = self.visible.get(src.name, src.name)
+        self.collectives[name] = CollectiveOp(name, kind, after, tuple(u.name for u in users), module,
                                               _shape(src), _dtype(src), fwd, bwd, dim, bias)
 
-    def reduce(self, node: fx.Node, partial: Partial) -> None:
-        self.add_collective("reduce_from_tp", node, list(node.users), node.meta.get(MODULE_KEY, ""), bias=partial.bias)
-        self.lay[node.name] = None
+    def reduce(self, node: fx.Node, partial: Partial) -> Any:
+        """Sum partial ``node`` over the ranks; the layout its users see."""
+        module = node.meta.get(MODULE_KEY, "")
+        shape = _shape(node)
+        if self.sp and len(shape) >= 2 and shape[0] % self.tp == 0:  # see [Note: sequence parallelism]
+            self.add_collective("reduce_scatter_tp", node, list(node.users), module, dim=0, bias=partial.bias)
+            if partial.bias is not None:  # added after the scatter, to this rank's samples
+                self.partial_params[partial.bias] = None
+            self.visible[node.name] = f"reduce_scatter_tp_{node.name}"
+            return Sharded(0, 1, module, tokens=True)
+        self.add_collective("reduce_from_tp", node, list(node.users), module, bias=partial.bias)
+        self.visible[node.name] = f"reduce_from_tp_{node.name}"
+        return None
 
     def edit_size(self, node: fx.Node, sizes: list[Any], j: int) -> None:
         size = sizes[j]
         if isinstance(size, fx.Node):
-            if self.of(size) != LOCAL:
+            if self.of(size) not in (LOCAL, LOCAL_TOKENS):
                 self.edits.append(ShapeEdit(node.name, j, size.name, "//tp"))
         elif isinstance(size, int) and size != -1:
             if size % self.tp:
                 self.fail(node, f"size {size} at position {j} is not divisible by tp={self.tp}")
             self.edits.append(ShapeEdit(node.name, j, size, size // self.tp))
+
+    def global_samples(self, node: fx.Node, skip: int | None = None) -> None:
+        """Sizes of ``node`` (a view/reshape/expand) that are a sequence-parallel region's local
+        sample count, used on a tensor holding every sample: make them whole again."""
+        sizes, _ = self.sizes_of(node)
+        for j, size in enumerate(sizes):
+            if j != skip and isinstance(size, fx.Node) and self.of(size) == LOCAL_TOKENS:
+                self.edits.append(ShapeEdit(node.name, j, size.name, "*tp"))
+
+    def drops(self, node: fx.Node) -> bool:
+        """Whether a dropout or stochastic-depth node may zero anything (p > 0)."""
+        if node.op == "call_module":
+            m = ops.module_of(node, self.gm)
+            p = getattr(m, "p", getattr(m, "drop_prob", 1.0))
+            return bool(m.training) and p != 0
+        return ops.arg(node, 1, "p", 0.5) != 0 and ops.arg(node, 2, "training", True) is not False
 
     # -- anchors -----------------------------------------------------------------------------
     def anchor(self, node: fx.Node, claim: Claim) -> Any:
@@ -121,6 +190,9 @@ class _Propagator:
         style, module = claim.style, node.meta.get(MODULE_KEY, "")
         if style in ("column", "qkv", "mha"):
             for a, lay in zip(tensors, ins):
+                if isinstance(lay, Sharded) and lay.tokens:  # the whole batch enters the sharded layer
+                    self.add_collective("all_gather_tp", a, [node], module, dim=lay.dim)
+                    continue
                 if lay is not None:
                     self.fail(node, f"this {style}-parallel layer gets the already split '{a.name}'")
                 self.add_collective("copy_to_tp", a, [node], module)
@@ -140,12 +212,14 @@ class _Propagator:
                 self.fail(node, "row-parallel layers must be nn.Linear or nn.Conv1d/2d/3d leaves")
             self.swaps[node.name] = "row"
             has_bias = getattr(ops.module_of(node, self.gm), "bias", None) is not None
-            self.reduce(node, Partial(f"{node.target}.bias" if has_bias else None))
-            return None
+            return self.reduce(node, Partial(f"{node.target}.bias" if has_bias else None))
         if style == "channel":
             if not ins or not isinstance(ins[0], Sharded) or ins[0].dim != 1 or ins[0].outer != 1:
                 self.fail(node, f"a channel-sharded layer needs its input split on dim 1, got {ins}")
             return ins[0]
+        if self.sp and all(lay is None or (isinstance(lay, Sharded) and lay.tokens) for lay in ins):
+            self.gather_tokens(node)  # a layer kept whole (a head) runs on every sample
+            return None
         if any(lay is not None for lay in ins):
             self.fail(node, "a replicated layer gets a split activation")
         return None
@@ -157,7 +231,7 @@ class _Propagator:
         for a in node.all_input_nodes:
             lay = self.of(a)
             if isinstance(lay, Sharded):
-                s = Sharded(lay.dim + n_out - _ndim(a), lay.outer, lay.origin)
+                s = lay.moved(lay.dim + n_out - _ndim(a))
                 if split is not None and split != s:
                     self.fail(node, f"its inputs are split on different dims ({split}, {s})")
                 split = s
@@ -169,6 +243,9 @@ class _Propagator:
                 shape = _shape(a)
                 k = split.dim - (n_out - len(shape))
                 if 0 <= k < len(shape) and shape[k] != 1:
+                    if split.tokens:  # a replicated tensor joins the batch-split region: its slice
+                        self.add_collective("split_to_tp", a, [node], node.meta.get(MODULE_KEY, ""), dim=k)
+                        continue
                     self.fail(node, f"the replicated operand '{a.name}' {list(shape)} spans the split dim {split.dim}")
         return split
 
@@ -189,7 +266,8 @@ class _Propagator:
         j, outer = found  # type: ignore[misc]
         if explicit:
             self.edit_size(node, self.sizes_of(node)[0], j)
-        return Sharded(j, outer, s.origin)
+            self.global_samples(node, skip=j if s.tokens else None)
+        return s.moved(j, outer)
 
     def split_op(self, node: fx.Node, name: str, s: Sharded) -> Any:
         n = _ndim(node.args[0])
@@ -199,7 +277,7 @@ class _Propagator:
         if name == "unbind":
             if d == s.dim:
                 self.fail(node, "it unbinds the split dim")
-            return tuple(Sharded(s.dim - (d < s.dim), s.outer, s.origin) for _ in range(count))
+            return tuple(s.moved(s.dim - (d < s.dim)) for _ in range(count))
         if d != s.dim:
             return tuple(s for _ in range(count))
         if count != s.outer:
@@ -208,24 +286,42 @@ class _Propagator:
             sizes = node.args[1]
             for j in range(len(sizes) if isinstance(sizes, (list, tuple)) else 1):
                 self.edit_size(node, list(sizes) if isinstance(sizes, (list, tuple)) else [sizes], j)
-        return tuple(Sharded(s.dim, 1, s.origin) for _ in range(count))
+        return tuple(s.moved(s.dim, 1) for _ in range(count))
 
     def getitem(self, node: fx.Node, base: Any, index: Any) -> Any:
         if isinstance(base, tuple):
             return base[index] if isinstance(index, int) else None
         if isinstance(base, LocalShape):
-            return LOCAL if isinstance(index, int) and index == base.dim else None
+            if base.tokens and not isinstance(index, int):  # a slice of sizes holding the local count
+                raise ShardingError(
+                    f"cannot shard node '{node.name}' in {node.meta.get(MODULE_KEY) or 'the top level'}: it "
+                    "slices a shape holding the number of samples of a sequence-parallel region; use "
+                    "sequence_parallel=False")
+            if not (isinstance(index, int) and index == base.dim):
+                return None
+            return LOCAL_TOKENS if base.tokens else LOCAL
         if not isinstance(base, Sharded):
             return None
         dim = ops.indexed_dim(index, _ndim(node.args[0]), base.dim)
         if dim is None:
             self.fail(node, "it indexes the split dim")
-        return Sharded(dim, base.outer, base.origin)  # type: ignore[arg-type]
+        return base.moved(dim)  # type: ignore[arg-type]
 
     def op(self, node: fx.Node) -> Any:
         gm, name = self.gm, ops.op_name(node) if node.op != "call_module" else ""
         first = node.args[0] if node.args else None
         s = self.of(first)
+        if node.op == "call_module":
+            m = ops.module_of(node, gm)
+            if isinstance(s, Sharded) and s.tokens:
+                # Per-sample layers keep a split across samples; masks drawn per rank would not be
+                # the one-process masks, so an active dropout gathers first (see run()).
+                if (ops.is_dropout(node, gm) or ops.is_samplewise(node, gm)) and self.drops(node):
+                    self.fail(node, "dropout draws masks over every sample")
+                if ops.is_elementwise(node, gm):
+                    return self.pointwise(node)
+                if (ops.is_linear(node, gm) and s.dim < _ndim(node) - 1) or (ops.is_conv(node, gm) and s.dim == 0):
+                    return s
         if node.op == "call_module":
             m = ops.module_of(node, gm)
             if ops.is_elementwise(node, gm):
@@ -246,16 +342,28 @@ class _Propagator:
             if not isinstance(s, Sharded):
                 return None
             if name == "getattr":
-                return LocalShape(s.dim) if node.args[1] == "shape" else None
+                return LocalShape(s.dim, s.tokens) if node.args[1] == "shape" else None
             d = ops.arg(node, 1, "dim")
             if name == "dim":
                 return None
-            return LocalShape(s.dim) if d is None else (LOCAL if _norm(d, _ndim(first)) == s.dim else None)
+            if d is None:
+                return LocalShape(s.dim, s.tokens)
+            return (LOCAL_TOKENS if s.tokens else LOCAL) if _norm(d, _ndim(first)) == s.dim else None
+        if name in ops.DROPOUT_FUNCTIONS and isinstance(s, Sharded) and s.tokens and self.drops(node):
+            self.fail(node, "dropout draws masks over every sample")
         if name in ops.DROPOUT_FUNCTIONS or ops.is_elementwise(node, gm):
             out = self.pointwise(node)
             if name in ops.DROPOUT_FUNCTIONS:
                 self.swaps[node.name] = "tp_dropout"
             return out
+        if name not in ops.RESHAPES | {"expand"} and any(self.of(a) == LOCAL_TOKENS for a in node.all_input_nodes):
+            raise ShardingError(
+                f"cannot shard node '{node.name}' ({name}) in {node.meta.get(MODULE_KEY) or 'the top level'}: it "
+                "computes with the number of samples of a sequence-parallel region, which differs between its "
+                "ranks and the whole batch; use sequence_parallel=False")
+        if s is None and name in ops.RESHAPES | {"expand"}:  # a whole tensor shaped by a local count
+            self.global_samples(node)
+            return None
         if not isinstance(s, Sharded):
             self.fail(node, f"its inputs have layouts {[self.of(a) for a in node.all_input_nodes]}")
         n = _ndim(first)
@@ -267,13 +375,14 @@ class _Propagator:
             sizes, _ = self.sizes_of(node)
             j = s.dim + len(sizes) - n
             self.edit_size(node, sizes, j)
-            return Sharded(j, s.outer, s.origin)
+            self.global_samples(node, skip=j if s.tokens else None)
+            return s.moved(j)
         if name in ops.PERMUTES:
             if name == "permute":
                 dims = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) else node.args[1:]
-                return Sharded([_norm(d, n) for d in dims].index(s.dim), s.outer, s.origin)
+                return s.moved([_norm(d, n) for d in dims].index(s.dim))
             a, b = (1, 0) if name == "t" else (_norm(node.args[1], n), _norm(node.args[2], n))
-            return Sharded(b if s.dim == a else a if s.dim == b else s.dim, s.outer, s.origin)
+            return s.moved(b if s.dim == a else a if s.dim == b else s.dim)
         if name in ops.SPLITS:
             return self.split_op(node, name, s)
         if name in ops.SOFTMAX:
@@ -282,6 +391,8 @@ class _Propagator:
             return s
         if name in ops.SDPA:
             qkv = [self.of(a) for a in node.args[:3]]
+            if all(isinstance(x, Sharded) and x.tokens and x.dim < n - 2 for x in qkv):
+                return self.pointwise(node)
             if any(not isinstance(x, Sharded) or x.dim != n - 3 or x.outer != 1 for x in qkv):
                 self.fail(node, f"attention needs q, k and v split on the heads dim {n - 3}, got {qkv}")
             return self.pointwise(node)
@@ -296,12 +407,53 @@ class _Propagator:
             return s if name == "layer_norm" else (s, None, None)
         self.fail(node, f"autopipe does not know how '{name}' treats a split dim")
 
+    def tokens_in(self, node: fx.Node) -> list[fx.Node]:
+        return [a for a in node.all_input_nodes if isinstance(self.of(a), Sharded) and self.of(a).tokens]
+
+    def gather_tokens(self, node: fx.Node) -> None:
+        """Give ``node`` every sample of its batch-split inputs (it runs replicated)."""
+        for a in self.tokens_in(node):
+            self.add_collective("gather_from_tp", a, [node], node.meta.get(MODULE_KEY, ""), dim=self.of(a).dim)
+
+    def op_or_gather(self, node: fx.Node) -> Any:
+        """``op``; in a sequence-parallel region an op that cannot keep the split across samples
+        (a reduction over them, BatchNorm, an active dropout, an unknown op) gets them all."""
+        if not self.tokens_in(node) or any(isinstance(self.of(a), Sharded) and not self.of(a).tokens
+                                           for a in node.all_input_nodes):
+            return self.op(node)
+        edits, swaps = len(self.edits), dict(self.swaps)
+        collectives = {k: dataclasses.replace(c) for k, c in self.collectives.items()}  # users grow in place
+        try:
+            out = self.op(node)
+        except ShardingError:
+            del self.edits[edits:]
+            self.collectives, self.swaps = collectives, swaps
+            self.gather_tokens(node)
+            return None
+        self.note_partial_params(node)
+        return out
+
+    def note_partial_params(self, node: fx.Node) -> None:
+        """Parameters ``node`` applies to this rank's samples only (a norm's weight, a layer scale)."""
+        if node.op == "call_module":
+            names = [f"{node.target}.{k}" for k, _ in ops.module_of(node, self.gm).named_parameters()]
+        else:
+            names = [a.target for a in node.all_input_nodes if a.op == "get_attr"]
+        for name in names:
+            try:
+                self.gm.get_parameter(name)
+            except AttributeError:  # a buffer or a constant: no gradient
+                continue
+            self.partial_params[name] = None
+
     def run(self) -> Result:
         for node in self.gm.graph.nodes:
             if node.op in ("placeholder", "get_attr"):
                 continue
             if node.op == "output":
-                bad = [a.name for a in node.all_input_nodes if self.of(a) is not None]
+                self.gather_tokens(node)
+                bad = [a.name for a in node.all_input_nodes if self.of(a) is not None and not
+                       (isinstance(self.of(a), Sharded) and self.of(a).tokens)]
                 if bad:
                     self.fail(node, f"model outputs {bad} are split; end the sharded region with a row-parallel "
                                     "layer or gather it (column_parallel_head())")
@@ -312,17 +464,16 @@ class _Propagator:
             elif all(self.of(a) in (None, LOCAL) for a in node.all_input_nodes):
                 out = None
             else:
-                out = self.op(node)
+                out = self.op_or_gather(node)
             if isinstance(out, Partial):
-                self.reduce(node, out)
-                out = None
+                out = self.reduce(node, out)
             self.lay[node.name] = out
-        return Result(self.lay, list(self.collectives.values()), self.edits, self.swaps)
+        return Result(self.lay, list(self.collectives.values()), self.edits, self.swaps, list(self.partial_params))
 
 
 _ROW_TYPES = (torch.nn.Linear, torch.nn.modules.linear.NonDynamicallyQuantizableLinear, *ops.CONV_TYPES)
 
 
-def propagate(gm: fx.GraphModule, claims: dict[str, Claim], tp: int) -> Result:
+def propagate(gm: fx.GraphModule, claims: dict[str, Claim], tp: int, sequence_parallel: bool = False) -> Result:
     """Layouts of every node under ``claims``, with the collectives and shape edits they need."""
-    return _Propagator(gm, claims, tp).run()
+    return _Propagator(gm, claims, tp, sequence_parallel).run()

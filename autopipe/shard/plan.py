@@ -68,7 +68,7 @@ class CollectiveOp:
     """A collective node inserted after ``src``; ``users`` are the consumers rewired through it."""
 
     name: str
-    kind: str  # "copy_to_tp" | "reduce_from_tp" | "gather_from_tp"
+    kind: str  # a key of shard.collectives.COLLECTIVES: "copy_to_tp", "reduce_from_tp", "reduce_scatter_tp"...
     src: str
     users: tuple[str, ...]
     module: str
@@ -76,7 +76,7 @@ class CollectiveOp:
     dtype: str
     fwd_bytes: int  # payload per rank, one micro-batch; a ring all-reduce moves 2 (tp-1)/tp of it
     bwd_bytes: int
-    dim: int | None = None  # gather dim
+    dim: int | None = None  # the dim gathered, scattered or split
     bias: str | None = None  # parameter added after the reduce (a row-parallel layer's bias)
 
 
@@ -85,7 +85,8 @@ class ShapeEdit:
     """One size in a ``view``/``reshape``/``expand`` of a sharded tensor, made local.
 
     ``index`` is the position in the node's size list; ``new`` is an int, or ``"//tp"`` when
-    the size is computed by another node (the rewrite divides it with a new node).
+    the size is computed by another node (the rewrite divides it with a new node), or ``"*tp"``
+    for a sequence-parallel region's local sample count used on a whole tensor.
     """
 
     node: str
@@ -107,6 +108,10 @@ class ShardPlan:
     shape_edits: list[ShapeEdit]
     swaps: dict[str, str]  # node -> replacement leaf: "row", "mha", "tp_dropout"
     custom_splits: dict[str, SplitFn] = field(default_factory=dict, repr=False)  # not serialised
+    sequence_parallel: bool = False
+    # Replicated parameters applied to each rank's own samples (sequence parallelism): their
+    # gradients are summed over the tp ranks, see reduce_sequence_parallel_grads.
+    sequence_parallel_params: list[str] = field(default_factory=list)
     schema_version: int = SCHEMA_VERSION
 
     # -- queries ---------------------------------------------------------------------------
@@ -141,7 +146,8 @@ class ShardPlan:
             collectives=[CollectiveOp(**{**c, "users": tuple(c["users"]), "shape": tuple(c["shape"])})
                          for c in d["collectives"]],
             shape_edits=[ShapeEdit(**e) for e in d["shape_edits"]],
-            swaps=d["swaps"],
+            swaps=d["swaps"], sequence_parallel=d.get("sequence_parallel", False),
+            sequence_parallel_params=list(d.get("sequence_parallel_params", [])),
         )
 
     def summary(self) -> str:

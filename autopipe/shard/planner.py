@@ -141,10 +141,13 @@ def _label(claim: Claim, tp: int) -> str:
     return claim.style
 
 
-def plan_sharding(traced: TracedModel, tp: int, rules: Sequence[ShardRule] | None = None) -> ShardPlan:
+def plan_sharding(traced: TracedModel, tp: int, rules: Sequence[ShardRule] | None = None, *,
+                  sequence_parallel: bool = False) -> ShardPlan:
     """Plan Megatron 1-D tensor parallelism of ``traced`` over ``tp`` ranks.
 
     ``rules`` take priority over registered rules, which take priority over the built-ins.
+    ``sequence_parallel`` splits the layers between sharded pairs (norms, residual adds) across
+    the ranks by sample: see [Note: sequence parallelism] in layout.py.
     Raises :class:`ShardingError` naming every layer or parameter that cannot be split.
     """
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
@@ -172,7 +175,7 @@ def plan_sharding(traced: TracedModel, tp: int, rules: Sequence[ShardRule] | Non
     for name, t in every:
         params.setdefault(name, ParamShard(tuple(t.shape), tuple(t.shape), "replicated", None, 1, "",
                                            str(t.dtype).removeprefix("torch.")))
-    result = propagate(gm, claims, tp)
+    result = propagate(gm, claims, tp, sequence_parallel)
     nodes: dict[str, NodeShard] = {}
     for node in gm.graph.nodes:
         claim, lay = claims.get(node.name), result.layouts.get(node.name)
@@ -184,8 +187,9 @@ def plan_sharding(traced: TracedModel, tp: int, rules: Sequence[ShardRule] | Non
         else:
             nodes[node.name] = NodeShard("replicated", "", module)
     for c in result.collectives:
-        owner = c.users[0] if c.kind == "copy_to_tp" else c.src  # the sharded layer it serves
+        owner = c.users[0] if c.kind in ("copy_to_tp", "all_gather_tp") else c.src  # the sharded layer it serves
         nodes[c.name] = NodeShard(f"collective:{c.kind}", nodes[owner].rule, c.module)
     return ShardPlan(tp=tp, model=type(gm).__name__, route=traced.route, nodes=nodes, params=params,
                      collectives=result.collectives, shape_edits=result.edits, swaps=result.swaps,
-                     custom_splits=custom)
+                     custom_splits=custom, sequence_parallel=sequence_parallel,
+                     sequence_parallel_params=result.partial_params)

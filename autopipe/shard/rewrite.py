@@ -17,7 +17,7 @@ from ..graph import MODULE_KEY
 from ..tracer import TracedModel
 from ..tracer.shapes import propagate_shapes
 from . import ops
-from .collectives import COLLECTIVES, register_group
+from .collectives import COLLECTIVES, DIM_COLLECTIVES, register_group
 from .modules import ROW_CLASSES, ShardedMultiheadAttention, TPDropout, copy_module
 from .plan import ShardPlan
 from .rng import tp_dropout
@@ -54,6 +54,8 @@ def _copy_tree(m: nn.Module, prefix: str, tensors: _Tensors, cls: type | None = 
         new._buffers[k] = None if b is None else tensors(prefix + k, b)
     for k, child in m._modules.items():
         new._modules[k] = None if child is None else _copy_tree(child, f"{prefix}{k}.", tensors)
+    if isinstance(new, nn.Linear):  # sizes of the local shard, as its repr and callers expect
+        new.out_features, new.in_features = new.weight.shape
     return new
 
 
@@ -181,9 +183,10 @@ def apply_sharding(traced: TracedModel, shard_plan: ShardPlan, tp_rank: int, *,
     for edit in plan.shape_edits:
         node = by_name[edit.node]
         sizes, store = _size_slot(node)
-        if edit.new == "//tp":
+        if edit.new in ("//tp", "*tp"):
+            op = operator.floordiv if edit.new == "//tp" else operator.mul
             with graph.inserting_before(node):
-                local = graph.call_function(operator.floordiv, (sizes[edit.index], tp))
+                local = graph.call_function(op, (sizes[edit.index], tp))
             local.meta[MODULE_KEY] = node.meta.get(MODULE_KEY, "")
             sizes[edit.index] = local
         else:
@@ -192,7 +195,7 @@ def apply_sharding(traced: TracedModel, shard_plan: ShardPlan, tp_rank: int, *,
 
     for c in plan.collectives:
         src_node = by_name[c.src]
-        args = (src_node, c.dim, gname, tp) if c.kind == "gather_from_tp" else (src_node, gname)
+        args = (src_node, c.dim, gname, tp) if c.kind in DIM_COLLECTIVES else (src_node, gname)
         with graph.inserting_after(src_node):
             last = graph.create_node("call_function", COLLECTIVES[c.kind], args, {}, name=c.name)
         last.meta[MODULE_KEY] = c.module
@@ -205,6 +208,7 @@ def apply_sharding(traced: TracedModel, shard_plan: ShardPlan, tp_rank: int, *,
             last = added
         for u in c.users:
             by_name[u].replace_input_with(src_node, last)
+        by_name[c.name] = last  # a later collective may take its output (see layout.add_collective)
 
     gm = fx.GraphModule(root, graph, class_name=type(src).__name__)
     gm.training = src.training
