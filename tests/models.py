@@ -1,7 +1,7 @@
 """Tiny configurations of the models autopipe must handle, shared by the tests (32x32 images)."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -83,11 +83,11 @@ def hf_resnet() -> nn.Module:
                                                      num_labels=10))
 
 
-def hf_swin() -> nn.Module:
+def hf_swin(**config: Any) -> nn.Module:
     from transformers import SwinConfig, SwinForImageClassification
 
     return SwinForImageClassification(SwinConfig(image_size=32, patch_size=2, embed_dim=32, depths=[2, 2],
-                                                 num_heads=[2, 4], window_size=4, num_labels=10))
+                                                 num_heads=[2, 4], window_size=4, num_labels=10, **config))
 
 
 MODELS: dict[str, Callable[[], nn.Module]] = {

@@ -243,7 +243,10 @@ class _Propagator:
                 shape = _shape(a)
                 k = split.dim - (n_out - len(shape))
                 if 0 <= k < len(shape) and shape[k] != 1:
-                    if split.tokens:  # a replicated tensor joins the batch-split region: its slice
+                    if split.tokens or split.outer == 1:
+                        # A replicated tensor meets a split one (the residual stream entering a batch-split
+                        # region, a position bias over the heads): this rank's slice; its gradient,
+                        # all-gathered, is the sum of every rank's share.
                         self.add_collective("split_to_tp", a, [node], node.meta.get(MODULE_KEY, ""), dim=k)
                         continue
                     self.fail(node, f"the replicated operand '{a.name}' {list(shape)} spans the split dim {split.dim}")
