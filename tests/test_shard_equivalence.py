@@ -70,13 +70,14 @@ CASES: dict[str, Callable[[], nn.Module]] = {
     # Relative position bias sliced to each rank's heads; no stochastic depth: train-mode outputs
     # are compared without seeding.
     "hf_swin": functools.partial(models.hf_swin, drop_path_rate=0.0),
+    "timm_convnext": models.timm_convnext,  # row-parallel 1x1 convs with a bias over channels
     "tv_resnet_bottleneck": bottleneck_resnet,
     USER_RULES: functools.partial(models.timm_vit, num_classes=12),  # a column-parallel head: 12 / 4
 }
 
 
 # The same models with sequence parallelism: the regions between sharded pairs split by sample.
-SP_CASES = ("timm_vit", "hf_vit", "tv_vit", "timm_mixer", "tv_resnet_bottleneck")
+SP_CASES = ("timm_vit", "hf_vit", "tv_vit", "timm_mixer", "timm_convnext", "tv_resnet_bottleneck")
 SP = "+sequence_parallel"
 ALL_CASES = [*CASES, *(c + SP for c in SP_CASES)]
 TPS = {"hf_swin": (2,)}  # its first stage has 2 heads; the others run at tp 2 and 4

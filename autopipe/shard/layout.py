@@ -36,6 +36,7 @@ class Sharded:
 @dataclass(frozen=True)
 class Partial:
     bias: str | None = None
+    trailing: int = 0  # dims after the bias's (a conv's channels are followed by its spatial dims)
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,7 @@ class _Propagator:
         self.swaps: dict[str, str] = {}
         self.visible: dict[str, str] = {}  # node -> the collective whose output its users see
         self.partial_params: dict[str, None] = {}  # used on this rank's samples only: grads summed over tp
+        self._attrs: dict[str, list[str]] | None = None  # see attrs_behind
 
     # -- helpers -----------------------------------------------------------------------------
     def of(self, a: Any) -> Any:
@@ -126,7 +128,7 @@ class _Propagator:
                             f"in {where}: {why}.{fix}")
 
     def add_collective(self, kind: str, src: fx.Node, users: list[fx.Node], module: str,
-                       dim: int | None = None, bias: str | None = None) -> None:
+                       dim: int | None = None, bias: str | None = None, bias_trailing: int = 0) -> None:
         name = f"{kind}_{src.name}"
         if name in self.collectives:  # one f per replicated tensor feeding several sharded layers
             c = self.collectives[name]
@@ -141,19 +143,21 @@ class _Propagator:
         # A reduced node's users see the reduction: a later collective on it takes that.
         after = self.visible.get(src.name, src.name)
         self.collectives[name] = CollectiveOp(name, kind, after, tuple(u.name for u in users), module,
-                                              _shape(src), _dtype(src), fwd, bwd, dim, bias)
+                                              _shape(src), _dtype(src), fwd, bwd, dim, bias, bias_trailing)
 
     def reduce(self, node: fx.Node, partial: Partial) -> Any:
         """Sum partial ``node`` over the ranks; the layout its users see."""
         module = node.meta.get(MODULE_KEY, "")
         shape = _shape(node)
         if self.sp and len(shape) >= 2 and shape[0] % self.tp == 0:  # see [Note: sequence parallelism]
-            self.add_collective("reduce_scatter_tp", node, list(node.users), module, dim=0, bias=partial.bias)
+            self.add_collective("reduce_scatter_tp", node, list(node.users), module, dim=0, bias=partial.bias,
+                                bias_trailing=partial.trailing)
             if partial.bias is not None:  # added after the scatter, to this rank's samples
                 self.partial_params[partial.bias] = None
             self.visible[node.name] = f"reduce_scatter_tp_{node.name}"
             return Sharded(0, 1, module, tokens=True)
-        self.add_collective("reduce_from_tp", node, list(node.users), module, bias=partial.bias)
+        self.add_collective("reduce_from_tp", node, list(node.users), module, bias=partial.bias,
+                            bias_trailing=partial.trailing)
         self.visible[node.name] = f"reduce_from_tp_{node.name}"
         return None
 
@@ -182,6 +186,19 @@ class _Propagator:
             p = getattr(m, "p", getattr(m, "drop_prob", 1.0))
             return bool(m.training) and p != 0
         return ops.arg(node, 1, "p", 0.5) != 0 and ops.arg(node, 2, "training", True) is not False
+
+    def attrs_behind(self, node: fx.Node) -> list[str]:
+        """The get_attr targets ``node`` is computed from, if it is computed from them alone
+        (a parameter, a reshape or cast of one); [] if an input of the model reaches it."""
+        if self._attrs is None:  # one pass in graph order: inputs come first
+            self._attrs = {}
+            for n in self.gm.graph.nodes:
+                if n.op == "get_attr":
+                    self._attrs[n.name] = [n.target]
+                elif n.op in ("call_function", "call_method") and n.all_input_nodes and all(
+                        self._attrs.get(a.name) for a in n.all_input_nodes):
+                    self._attrs[n.name] = [t for a in n.all_input_nodes for t in self._attrs[a.name]]
+        return self._attrs.get(node.name, [])
 
     # -- anchors -----------------------------------------------------------------------------
     def anchor(self, node: fx.Node, claim: Claim) -> Any:
@@ -212,7 +229,8 @@ class _Propagator:
                 self.fail(node, "row-parallel layers must be nn.Linear or nn.Conv1d/2d/3d leaves")
             self.swaps[node.name] = "row"
             has_bias = getattr(ops.module_of(node, self.gm), "bias", None) is not None
-            return self.reduce(node, Partial(f"{node.target}.bias" if has_bias else None))
+            trailing = _ndim(node) - 2 if ops.is_conv(node, self.gm) else 0
+            return self.reduce(node, Partial(f"{node.target}.bias" if has_bias else None, trailing))
         if style == "channel":
             if not ins or not isinstance(ins[0], Sharded) or ins[0].dim != 1 or ins[0].outer != 1:
                 self.fail(node, f"a channel-sharded layer needs its input split on dim 1, got {ins}")
@@ -437,11 +455,15 @@ class _Propagator:
         return out
 
     def note_partial_params(self, node: fx.Node) -> None:
-        """Parameters ``node`` applies to this rank's samples only (a norm's weight, a layer scale)."""
+        """Parameters ``node`` applies to this rank's samples only (a norm's weight, a layer scale,
+        also through a reshape of it)."""
+        names = []
         if node.op == "call_module":
             names = [f"{node.target}.{k}" for k, _ in ops.module_of(node, self.gm).named_parameters()]
-        else:
-            names = [a.target for a in node.all_input_nodes if a.op == "get_attr"]
+        for a in node.all_input_nodes:
+            split = self.collectives.get(f"split_to_tp_{a.name}")
+            if self.of(a) is None and not (split is not None and node.name in split.users):
+                names += self.attrs_behind(a)
         for name in names:
             try:
                 self.gm.get_parameter(name)

@@ -78,6 +78,7 @@ class CollectiveOp:
     bwd_bytes: int
     dim: int | None = None  # the dim gathered, scattered or split
     bias: str | None = None  # parameter added after the reduce (a row-parallel layer's bias)
+    bias_trailing: int = 0  # output dims after the bias's: a conv's bias broadcasts as [C, 1, 1]
 
 
 @dataclass

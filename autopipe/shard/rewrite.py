@@ -202,9 +202,14 @@ def apply_sharding(traced: TracedModel, shard_plan: ShardPlan, tp_rank: int, *,
         if c.bias is not None:
             with graph.inserting_after(last):
                 bias = graph.get_attr(c.bias)
+            bias.meta[MODULE_KEY] = c.module
+            if c.bias_trailing:  # bias[:, None, None] for a 2-d conv's [N, C, H, W]
+                with graph.inserting_after(bias):
+                    bias = graph.call_function(operator.getitem, (bias, (slice(None),) + (None,) * c.bias_trailing))
+                bias.meta[MODULE_KEY] = c.module
             with graph.inserting_after(bias):
                 added = graph.call_function(operator.add, (last, bias))
-            bias.meta[MODULE_KEY] = added.meta[MODULE_KEY] = c.module
+            added.meta[MODULE_KEY] = c.module
             last = added
         for u in c.users:
             by_name[u].replace_input_with(src_node, last)
