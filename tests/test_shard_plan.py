@@ -375,3 +375,15 @@ def test_indexed_dim(index, expected) -> None:  # type: ignore[no-untyped-def]
     from autopipe.shard.ops import indexed_dim
 
     assert indexed_dim(index, 4, 2) == expected
+
+
+def test_sequence_parallel_needs_micro_batches_that_split_across_tp():
+    from autopipe.errors import ConfigError
+    from autopipe.shard import plan_sharding
+    from autopipe.tracer import trace
+    from tests.models import MODELS
+
+    traced = trace(MODELS["timm_vit"](), (torch.randn(3, 3, 32, 32),))
+    with pytest.raises(ConfigError, match="micro-batch's 3 samples across tp=2 ranks; use a micro-batch size divisible by 2"):
+        plan_sharding(traced, 2, sequence_parallel=True)
+    assert not plan_sharding(traced, 2).sequence_parallel  # without it, any size shards

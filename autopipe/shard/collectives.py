@@ -87,26 +87,23 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
+def _gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(_world(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
 class _GatherFromTP(torch.autograd.Function):
     """All-gather along ``dim`` forward; keep this rank's slice of the gradient backward."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
-        world = _world(group)
-        ctx.dim, ctx.rank, ctx.world = dim, dist.get_rank(group), world
-        parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(world)]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=dim)
+        ctx.dim, ctx.rank, ctx.world = dim, dist.get_rank(group), _world(group)
+        return _gather(x, dim, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return grad.chunk(ctx.world, dim=ctx.dim)[ctx.rank].contiguous(), None, None
-
-
-def _gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
-    parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(_world(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
@@ -148,8 +145,8 @@ class _AllGatherTP(torch.autograd.Function):
 
 
 class _SplitToTP(torch.autograd.Function):
-    """A replicated tensor entering a batch-split region: keep this rank's slice forward,
-    all-gather the slices' gradients backward."""
+    """A replicated tensor meeting a split one (entering a batch-split region, a bias over the
+    heads): keep this rank's slice forward, all-gather the slices' gradients backward."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:

@@ -153,6 +153,11 @@ def plan_sharding(traced: TracedModel, tp: int, rules: Sequence[ShardRule] | Non
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise ConfigError(f"tp must be a positive integer, got {tp!r}")
     gm = traced.gm
+    samples = traced.input_shapes[0][0] if traced.input_shapes and traced.input_shapes[0] else None
+    if sequence_parallel and tp > 1 and samples is not None and samples % tp:
+        raise ConfigError(
+            f"sequence_parallel=True splits each micro-batch's {samples} samples across tp={tp} ranks; "
+            f"use a micro-batch size divisible by {tp}, or sequence_parallel=False")
     claims = _claim(gm, ordered_rules(rules or ())) if tp > 1 else {}
     styles: dict[str, set[str]] = {}
     for n in gm.graph.nodes:
