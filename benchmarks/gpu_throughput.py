@@ -439,16 +439,18 @@ def suite(bench: Bench, which: str) -> None:
         run("autopipe pp=2 interleaved graphs chunks=4 m=8", B, 2,
             lambda: bench.autopipe(B, pp=2, tp=1, m=m, schedule="interleaved_1f1b", chunks=4, graphs=True))
         # Fewer, larger micro-batches (each GPU more efficient) with more chunks (the bubble kept small).
-        for chunks in (4, 8):
-            run(f"autopipe pp=2 interleaved graphs chunks={chunks} m={m // 2}", B, 2,
-                lambda c=chunks: bench.autopipe(B, pp=2, tp=1, m=m // 2, schedule="interleaved_1f1b", chunks=c,
-                                                graphs=True))
+        run(f"autopipe pp=2 interleaved graphs chunks=4 m={m // 2}", B, 2,
+            lambda: bench.autopipe(B, pp=2, tp=1, m=m // 2, schedule="interleaved_1f1b", chunks=4, graphs=True))
         for mm in (m, 2 * m):
             run(f"autopipe pp=2 1f1b graphs m={mm}", B, 2,
                 lambda mm=mm: bench.autopipe(B, pp=2, tp=1, m=mm, schedule="1f1b", graphs=True))
             run(f"autopipe pp=2 interleaved graphs m={mm}", B, 2,
                 lambda mm=mm: bench.autopipe(B, pp=2, tp=1, m=mm, schedule="interleaved_1f1b", chunks=2,
                                              graphs=True))
+        # Last: on 2 x H200 (2026-11-23) this one stopped in a coalesced send/recv until NCCL's
+        # watchdog aborted both ranks (docs/benchmarks.md); it runs on CPU over gloo.
+        run(f"autopipe pp=2 interleaved graphs chunks=8 m={m // 2}", B, 2,
+            lambda: bench.autopipe(B, pp=2, tp=1, m=m // 2, schedule="interleaved_1f1b", chunks=8, graphs=True))
     else:
         check(2, 2, "1f1b", 1)
         check(2, 2, "1f1b", 1, sp=True)

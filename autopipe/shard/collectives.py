@@ -88,6 +88,10 @@ class _ReduceFromTP(torch.autograd.Function):
 
 
 def _gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    if dim == 0 and dist.get_backend(group) == "nccl":  # the chunks of dim 0 are contiguous: no copies
+        out = torch.empty((_world(group) * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        return out
     parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(_world(group))]
     dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts, dim=dim)
@@ -110,6 +114,11 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     world, rank = _world(group), dist.get_rank(group)
     if dist.get_backend(group) == "gloo":  # gloo has no reduce-scatter: all-reduce, keep a slice
         return _all_reduce(x, group).chunk(world, dim=dim)[rank].contiguous()
+    if dim == 0:
+        x = x.contiguous()
+        out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.reduce_scatter_tensor(out, x, group=group)
+        return out
     parts = [p.contiguous() for p in x.chunk(world, dim=dim)]
     out = torch.empty_like(parts[rank])
     dist.reduce_scatter(out, parts, group=group)
