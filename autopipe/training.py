@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-__all__ = ["average_gradients", "global_grad_norm", "clip_gradients", "LossScaler"]
+__all__ = ["average_gradients", "sum_gradients", "global_grad_norm", "clip_gradients", "LossScaler"]
 
 BUCKET_BYTES = 25 * 1024 * 1024
 
@@ -38,10 +38,16 @@ def average_gradients(params: Iterable[torch.nn.Parameter], group: dist.ProcessG
     """Average ``.grad`` over ``group`` (the dp replicas) in flat buckets, all in flight at once."""
     if group is None or size == 1:
         return
+    sum_gradients(params, group, divide_by=size)
+
+
+def sum_gradients(params: Iterable[torch.nn.Parameter], group: dist.ProcessGroup, *, divide_by: int = 1) -> None:
+    """Sum ``.grad`` over ``group`` (then divide by ``divide_by``) in flat buckets, all in flight at once."""
     pending = []
     for bucket in _buckets(list(params), BUCKET_BYTES):
         flat = _flatten_dense_tensors(bucket)
-        flat.div_(size)
+        if divide_by != 1:
+            flat.div_(divide_by)
         pending.append((dist.all_reduce(flat, group=group, async_op=True), flat, bucket))
     for work, flat, bucket in pending:
         work.wait()

@@ -270,16 +270,10 @@ DIM_COLLECTIVES = frozenset({"gather_from_tp", "reduce_scatter_tp", "all_gather_
 def reduce_sequence_parallel_grads(named_parameters: Any, plan: Any, group: Any) -> None:
     """Sum over the tp ``group`` the gradients of the parameters a sequence-parallel ``plan``
     applies to each rank's own samples (``plan.sequence_parallel_params``), after backward
-    and before the optimizer: one all-reduce per dtype. Every tp rank must call it."""
+    and before the optimizer, in flat buckets. Every tp rank must call it."""
+    from ..training import sum_gradients
+
     wanted = set(getattr(plan, "sequence_parallel_params", ()))
     if not wanted or group is None or _world(group) == 1:
         return
-    grads: dict[torch.dtype, list[torch.Tensor]] = {}
-    for name, p in named_parameters:
-        if name in wanted and p.grad is not None:
-            grads.setdefault(p.grad.dtype, []).append(p.grad)
-    for same in grads.values():
-        flat = torch.cat([g.reshape(-1) for g in same])
-        dist.all_reduce(flat, group=group)
-        for g, part in zip(same, flat.split([g.numel() for g in same])):
-            g.copy_(part.view_as(g))
+    sum_gradients([p for name, p in named_parameters if name in wanted], group)

@@ -343,8 +343,6 @@ class _Propagator:
                     return self.pointwise(node)
                 if (ops.is_linear(node, gm) and s.dim < _ndim(node) - 1) or (ops.is_conv(node, gm) and s.dim == 0):
                     return s
-        if node.op == "call_module":
-            m = ops.module_of(node, gm)
             if ops.is_elementwise(node, gm):
                 if ops.is_dropout(node, gm) and isinstance(self.pointwise(node), Sharded):
                     self.swaps[node.name] = "tp_dropout"
