@@ -21,6 +21,7 @@ from .emit import emit_stages
 from .errors import ConfigError
 from .mesh import ParallelDims, build_mesh, default_device
 from .model import ParallelModel, StageRuntime
+from .partition.mlp_pieces import split_mlps as cut_mlps
 from .partition.partitioner import partition
 from .runtime.schedule import SCHEDULES, validate
 from .tracer import trace
@@ -64,6 +65,7 @@ def parallelize(
     deadline: float = 300.0,
     record_timeline: bool = False,
     cuda_graphs: bool = False,
+    split_mlps: bool = True,
 ) -> ParallelModel:
     """Parallelize ``model`` over the processes torchrun started; returns a :class:`ParallelModel`.
 
@@ -76,6 +78,10 @@ def parallelize(
     kernel launches to dominate. ``sequence_parallel=True`` (tp > 1) splits the layers between
     the sharded pairs (norms, residual adds) across the tp ranks by sample, with reduce-scatter
     and all-gather in place of each all-reduce (see [Note: sequence parallelism]).
+    ``split_mlps`` (tp=1, balance="cost") lets a stage boundary fall inside a large MLP when
+    that balances the stages better: its hidden units are split between the two stages, held
+    as ``<fc1>_piece<i>`` and ``<fc2>_piece<i>`` (see [Note: MLP pieces]); ``full_state_dict``
+    and checkpoints keep the model's own names.
     """
     # 1. Local checks: every rank raises the same error before any collective.
     if isinstance(example_inputs, torch.Tensor):
@@ -112,8 +118,9 @@ def parallelize(
         model_name=type(model).__name__,
         # Under autocast, floating activations cross stage boundaries in the compute dtype (the
         # stages cast them; see model._wrap_forward): the cuts are priced and sized in it.
-        activation_dtype=_PRECISIONS[mixed_precision],
+        activation_dtype=_PRECISIONS[mixed_precision], split_mlps=split_mlps,
     )
+    traced = cut_mlps(traced, plan.mlp_pieces)  # the graph the plan names
 
     # 5. Mesh (the first collective).
     mesh = build_mesh(dims, device)

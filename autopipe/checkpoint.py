@@ -14,6 +14,9 @@ Keys are the unmodified model's names with full shapes: ``model.<name>`` and, pe
 gathered over tp, and only tp rank 0 of dp replica 0 of each pipeline rank writes its stages,
 so the files are split over pp ranks and nothing is written twice. Because the keys do not
 depend on the layout, a checkpoint loads into any pp x dp x tp layout of the same model.
+A linear cut across stages (plan.mlp_pieces) is saved as its pieces, ``model.<name>[a:b]``
+and ``optim.<name>[a:b].<state>`` (rows a to b, written by the ranks holding them); loads
+rebuild the full tensor from whatever pieces were saved and cut what this layout holds.
 
 A save writes a fresh ``ckpt-<id>`` directory, the ranks agree that every write succeeded,
 and only then rank 0 points ``latest`` at it and deletes the older directories. A save that
@@ -32,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 import shutil
 import uuid
 import warnings
@@ -44,6 +48,7 @@ from torch.distributed.checkpoint.api import CheckpointException as DCPException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .errors import CheckpointError
+from .partition.mlp_pieces import piece_params
 from .shard.state import merge_shards, shard_tensor
 
 if TYPE_CHECKING:
@@ -147,6 +152,61 @@ def _tp_local(pm: ParallelModel, name: str, t: torch.Tensor) -> torch.Tensor:
     return shard_tensor(t, ps, pm.tp_rank, plan.tp, plan.custom_splits.get(name)).contiguous().clone()
 
 
+# ----------------------------------------------------------------------------- MLP pieces
+_PIECE = re.compile(r"^(.*)\[(:,)?(\d+):(\d+)\]$")
+
+
+def _stored_name(pm: ParallelModel, name: str) -> str:
+    """The name a tensor is saved under: its own, or ``<full name>[a:b]`` (rows) or
+    ``<full name>[:,a:b]`` (columns) for a piece of an MLP cut across stages."""
+    pp = piece_params(pm.plan.mlp_pieces).get(name)
+    if pp is None or pp.dim is None:
+        return name if pp is None else pp.full
+    return f"{pp.full}[{':,' if pp.dim == 1 else ''}{pp.start}:{pp.stop}]"
+
+
+def _full_name(pm: ParallelModel, name: str) -> tuple[str, tuple[int, slice] | None]:
+    """The model's name of a stage tensor, and the (dim, slice) of it the stage holds (None: all)."""
+    pp = piece_params(pm.plan.mlp_pieces).get(name)
+    if pp is None or pp.dim is None:
+        return (name, None) if pp is None else (pp.full, None)
+    return pp.full, (pp.dim, slice(pp.start, pp.stop))
+
+
+def _index(stored: Any) -> dict[str, list[tuple[int, int, str]]]:
+    """Full name -> [(dim, first index, stored name)] of the stored names (a whole tensor: 0, 0)."""
+    out: dict[str, list[tuple[int, int, str]]] = {}
+    for name in stored:
+        m = _PIECE.match(name)
+        full, dim, start = (m.group(1), 1 if m.group(2) else 0, int(m.group(3))) if m else (name, 0, 0)
+        out.setdefault(full, []).append((dim, start, name))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def _assemble(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """One tensor from its saved pieces in order (a 0-dim state, such as a step, is shared)."""
+    if len(parts) == 1 or parts[0].dim() == 0:
+        return parts[0]
+    return torch.cat(parts, dim=dim)
+
+
+def _stored_shape(parts: list[tuple[int, tuple[int, ...]]]) -> tuple[int, ...] | None:
+    """The full shape that saved pieces (dim, shape) make up; None when nothing was saved."""
+    if not parts:
+        return None
+    dim, shape = parts[0]
+    if len(parts) == 1:
+        return tuple(shape)
+    return tuple(sum(p[1][dim] for p in parts) if d == dim else size for d, size in enumerate(shape))
+
+
+def _cut(t: torch.Tensor, held: tuple[int, slice] | None) -> torch.Tensor:
+    if held is None or t.dim() == 0:
+        return t
+    dim, rows = held
+    return t.narrow(dim, rows.start, rows.stop - rows.start).clone()
+
+
 def _optimizer_state(pm: ParallelModel, optimizer: torch.optim.Optimizer,
                      names: dict[int, str]) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
     """Tensors keyed ``optim.<name>.<state>`` (full shapes), and per parameter its group's
@@ -157,13 +217,14 @@ def _optimizer_state(pm: ParallelModel, optimizer: torch.optim.Optimizer,
     for name, p, group in sorted(entries, key=lambda e: e[0]):  # same order on every tp rank
         state = optimizer.state.get(p, {})
         keys = sorted(k for k, v in state.items() if isinstance(v, torch.Tensor))
-        info[name] = {
+        stored = _stored_name(pm, name)
+        info[stored] = {
             "group": {k: v for k, v in group.items() if k != "params"},
             "values": {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)},
             "tensors": keys,
         }
         for k in keys:
-            tensors[f"optim.{name}.{k}"] = _tp_full(pm, name, state[k], tuple(p.shape))
+            tensors[f"optim.{stored}.{k}"] = _tp_full(pm, name, state[k], tuple(p.shape))
     return tensors, info
 
 
@@ -252,7 +313,7 @@ def save_checkpoint(pm: ParallelModel, path: str | os.PathLike, optimizer: torch
     try:
         os.makedirs(target, exist_ok=True)
         if pm.dp_rank == 0:
-            model = {f"model.{k}": v for k, v in pm._local_full_state().items()}
+            model = {f"model.{_stored_name(pm, k)}": v for k, v in pm._local_full_state().items()}
             optim, info = _optimizer_state(pm, optimizer, names) if optimizer is not None else ({}, {})
             if pm.tp_rank == 0:
                 state = {**model, **optim}
@@ -352,16 +413,21 @@ def _targets(pm: ParallelModel, optimizer: torch.optim.Optimizer | None,
     saved = f"saved from {manifest['model']} with " + ", ".join(f"{k}={v}" for k, v in manifest["layout"].items())
     out: dict[str, torch.Tensor] = {}
     missing, wrong = [], []
+    model = _index(k[len("model."):] for k in tensors if k.startswith("model."))
     for s in sorted(pm.stages):
         for k in pm.stages[s].state_dict():
+            k, _ = _full_name(pm, k)
             want = pm._signature[k]
-            got = tensors.get(f"model.{k}")
+            parts = model.get(k, [])
+            got = _stored_shape([(d, tensors[f"model.{name}"][0]) for d, _, name in parts])
             if got is None:
                 missing.append(k)
-            elif got[0] != want:
-                wrong.append(f"{k}: {list(got[0])} in the checkpoint, {list(want)} in the model")
+            elif tuple(got) != want:
+                wrong.append(f"{k}: {list(got)} in the checkpoint, {list(want)} in the model")
             else:
-                out[f"model.{k}"] = torch.empty(got[0], dtype=got[1])
+                for _, _, name in parts:
+                    shape, dtype = tensors[f"model.{name}"]
+                    out[f"model.{name}"] = torch.empty(shape, dtype=dtype)
     if missing or wrong:
         problems = ([f"missing {len(missing)} tensor(s): {', '.join(missing[:5])}"] if missing else []) + wrong[:5]
         if len(wrong) > 5:
@@ -377,31 +443,38 @@ def _targets(pm: ParallelModel, optimizer: torch.optim.Optimizer | None,
         raise CheckpointError(f"checkpoint {where!r} holds no optimizer state (it was saved without "
                               "optimizer=); call load_checkpoint(path) without the optimizer and start it afresh")
     names = _param_names(pm, optimizer)
+    stored = _index(states)
     for g in optimizer.param_groups:
         for p in g["params"]:
-            name = names[id(p)]
-            if name not in states:
+            name, _ = _full_name(pm, names[id(p)])
+            if name not in stored:
                 raise CheckpointError(f"checkpoint {where!r} holds no optimizer state for parameter '{name}'; "
                                       "build the optimizer over the same parameters as when it was saved")
-            for k in states[name]["tensors"]:
-                shape, dtype = tensors[f"optim.{name}.{k}"]
-                out[f"optim.{name}.{k}"] = torch.empty(shape, dtype=dtype)
+            for _, _, part in stored[name]:
+                for k in states[part]["tensors"]:
+                    shape, dtype = tensors[f"optim.{part}.{k}"]
+                    out[f"optim.{part}.{k}"] = torch.empty(shape, dtype=dtype)
     return out
 
 
 def _apply_optimizer(pm: ParallelModel, optimizer: torch.optim.Optimizer, states: dict[str, dict],
                      loaded: dict[str, torch.Tensor]) -> None:
     names = _param_names(pm, optimizer)
+    stored = _index(states)
     sd: dict[str, Any] = {"state": {}, "param_groups": []}
     index = 0
     for g in optimizer.param_groups:
         ids, hyper = [], None
         for p in g["params"]:
             name = names[id(p)]
-            entry = states[name]
+            full, held = _full_name(pm, name)
+            parts = stored[full]
+            entry = states[parts[0][2]]
             hyper = hyper if hyper is not None else entry["group"]
             st = dict(entry["values"])
-            st.update({k: _tp_local(pm, name, loaded[f"optim.{name}.{k}"]) for k in entry["tensors"]})
+            for k in entry["tensors"]:
+                t = _assemble([loaded[f"optim.{part}.{k}"] for _, _, part in parts], parts[0][0])
+                st[k] = _tp_local(pm, name, _cut(t, held))
             if st:
                 sd["state"][index] = st
             ids.append(index)
@@ -432,7 +505,9 @@ def load_checkpoint(pm: ParallelModel, path: str | os.PathLike, optimizer: torch
 
     error = None
     try:
-        pm._load_local_state({k[len("model."):]: v for k, v in state.items() if k.startswith("model.")})
+        model = _index(k[len("model."):] for k in state if k.startswith("model."))
+        pm._load_local_state({full: _assemble([state[f"model.{name}"] for _, _, name in parts], parts[0][0])
+                              for full, parts in model.items()})
         if optimizer is not None:
             _apply_optimizer(pm, optimizer, found["manifest"]["optimizer"], state)
         scaler = found["manifest"]["loss_scaler"]

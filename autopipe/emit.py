@@ -4,7 +4,8 @@ Each stage holds only the parameters and buffers its nodes use, under their orig
 state_dict names. Its inputs are the tensors crossing the cut before it and its outputs the
 tensors crossing the cut after it, both in the plan's order; the last stage returns the
 model's flattened outputs. Non-tensor values made in an earlier stage (sizes, flags) are
-constants of the plan's micro-batch shape and are baked in.
+constants of the plan's micro-batch shape and are baked in. A plan that cuts linear layers
+into row pieces (``plan.mlp_pieces``) is emitted from the graph with those pieces.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from torch.utils import _pytree as pytree
 
 from .errors import PartitionError
 from .graph import MODULE_KEY, value_of
+from .partition.mlp_pieces import split_mlps
 from .partition.plan import PartitionPlan
 from .tracer import TracedModel
 
@@ -50,7 +52,7 @@ def _constant(value: Any, node: fx.Node) -> Any:
 
 def emit_stage(traced: TracedModel, plan: PartitionPlan, index: int) -> fx.GraphModule:
     """The GraphModule of stage ``index``; call it with the stage's inputs in plan order."""
-    src = traced.gm
+    src = split_mlps(traced, plan.mlp_pieces).gm
     by_name = {n.name: n for n in src.graph.nodes}
     stage = plan.stages[index]
     members = set(stage.nodes)
@@ -120,6 +122,7 @@ def emit_stage(traced: TracedModel, plan: PartitionPlan, index: int) -> fx.Graph
 def emit_stages(traced: TracedModel, plan: PartitionPlan, indices: Iterable[int] | None = None) -> dict[int, fx.GraphModule]:
     """Stage modules by index (all stages, or the given ones: a rank builds only its own)."""
     wanted = range(plan.num_stages) if indices is None else indices
+    traced = split_mlps(traced, plan.mlp_pieces)  # once, not once per stage
     return {i: emit_stage(traced, plan, i) for i in wanted}
 
 

@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .errors import CheckpointError, InputError
 from .mesh import Mesh
+from .partition.mlp_pieces import merge_pieces, take_piece
 from .partition.plan import PartitionPlan
 from .runtime.driver import PipelineDriver
 from .runtime.p2p import TensorSpec
@@ -213,7 +214,8 @@ class ParallelModel:
 
     # ----------------------------------------------------------------------------- parameters
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """This rank's parameters (sharded ones local), under the original model's names."""
+        """This rank's parameters (sharded ones local), under the original model's names; the
+        rows of a linear cut across stages as ``<module>_piece<i>.weight`` (plan.mlp_pieces)."""
         for s in sorted(self._runtime.stages):
             yield from self._runtime.stages[s].named_parameters()
 
@@ -386,6 +388,7 @@ class ParallelModel:
             dist.all_gather_object(parts, local, group=group)
             for part in parts:
                 local.update(part)
+        local = merge_pieces(local, self.plan.mlp_pieces)
         missing = sorted(set(self._signature) - set(local))
         if missing:
             raise CheckpointError(f"state for {', '.join(missing[:5])} is held by no stage")
@@ -431,7 +434,7 @@ class ParallelModel:
         for s in sorted(self._runtime.stages):
             stage = self._runtime.stages[s]
             keys = stage.state_dict().keys()
-            sub = {k: state_dict[k] for k in keys}
+            sub = {k: take_piece(state_dict, k, self.plan.mlp_pieces) for k in keys}
             if self._shard_plan is not None:
                 from .shard import shard_state_dict
 

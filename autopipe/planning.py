@@ -59,6 +59,7 @@ def plan_model(
     route: str = "auto",
     leaf_modules: Iterable[type | str] = (),
     sequence_parallel: bool = False,
+    split_mlps: bool = True,
 ) -> PartitionPlan:
     """Plan ``model`` for ``pp`` x ``chunks`` stages of ``tp``-way tensor parallelism.
 
@@ -103,4 +104,5 @@ def plan_model(
         schedule=schedule,
         mem_cap=mem_cap,
         model_name=name,
+        split_mlps=split_mlps,
     )

@@ -6,7 +6,8 @@ autocast), the h100 device profile. For each model and pp x chunks stages:
 
 - autopipe: its imbalance, max/mean modelled stage time, where a stage takes
   max(compute, comm) + latency (see [Note: communication in the stage cost]);
-- bound: the best imbalance any node-level cut can reach given the model's node costs,
+- bound: the best imbalance any node-level cut can reach given the model's node costs
+  (cuts between the traced graph's nodes: no MLP cut into pieces),
   i.e. the exact optimum of the same balancer given a free link (no transfer time, no
   latency), where stage time is compute alone and the mean is fixed;
 - the equal-layers, by-parameters and best block-level splits, measured as the reference
@@ -189,7 +190,7 @@ def run(models: Sequence[str]) -> dict[str, Any]:
                 common = dict(microbatches=2 * pp * chunks, schedule=schedule, activation_dtype=ACTIVATION_DTYPE)
                 plan = partition(traced, pp, chunks, model_name=name, device=DEVICE, **common)
                 # The same exact balancer with a free link: the best node-level cut on compute alone.
-                free = partition(traced, pp, chunks, device=FREE_LINK, **common)
+                free = partition(traced, pp, chunks, device=FREE_LINK, split_mlps=False, **common)
                 base = block_baselines(traced, model, pp * chunks)
                 stages = stage_rows(plan, link)
                 free_on_link = stage_rows(free, link)

@@ -22,6 +22,8 @@ from . import balance as balancer
 from .cost import NodeCost, graph_costs, training_state_bytes
 from .dag import LinearDag, linearize
 from .device import DeviceProfile, get_profile
+from . import mlp_pieces as pieces
+from .mlp_pieces import PIECES_META
 from .plan import CutTensor, PartitionPlan, StagePlan
 
 __all__ = ["partition", "BALANCE_MODES", "layer_groups"]
@@ -184,6 +186,7 @@ def partition(
     costs: Mapping[str, NodeCost] | None = None,
     model_name: str = "",
     activation_dtype: torch.dtype | None = None,
+    split_mlps: bool = True,
 ) -> PartitionPlan:
     """Cut ``traced`` into ``pp * chunks`` stages; ``balance`` is a mode or split-point modules.
 
@@ -191,10 +194,94 @@ def partition(
     ``activation_dtype`` is the dtype floating tensors cross stage boundaries in, when it is
     not the traced one: ``torch.bfloat16`` under bf16 autocast, where activations travel in
     bf16 while the model was traced in fp32. It prices the cuts and names the plan's tensors.
+    ``split_mlps`` lets a stage boundary fall inside a large MLP (balance="cost", tp=1) when
+    that balances better; the plan then names the graph with those MLPs cut into pieces of
+    hidden units (``plan.mlp_pieces``; see [Note: MLP pieces]), which ``emit_stages`` builds.
     """
     pp, chunks, tp = (_check_degree(n, v) for n, v in (("pp", pp), ("chunks", chunks), ("tp", tp)))
     microbatches = _check_degree("microbatches", microbatches)
     activation_dtype = _check_activation_dtype(activation_dtype)
+    if traced.gm.meta.get(PIECES_META):
+        raise ConfigError("partition() takes the traced model before any MLP pieces were cut; "
+                          "pass the traced model itself (the plan names the pieces it needs)")
+    args = dict(pp=pp, chunks=chunks, tp=tp, microbatches=microbatches, balance=balance, device=device,
+                schedule=schedule, mem_cap=mem_cap, optimizer=optimizer, model_name=model_name,
+                activation_dtype=activation_dtype)
+    plan = _partition(traced, costs=costs, **args)
+    if not (split_mlps and balance == "cost" and tp == 1 and costs is None
+            and plan.imbalance > 1.0 + SPLIT_ABOVE):
+        return plan
+    return _with_mlp_pieces(traced, plan, args)
+
+
+# [Note: when MLP pieces are tried]
+# Only for a plan whose imbalance exceeds SPLIT_ABOVE (a balanced plan gains nothing, and
+# planning stays one pass), by one refinement: every MLP slower than two granules (GRANULE of
+# the mean stage's compute) is cut into pieces of about a granule, the graph is balanced
+# again, and the MLPs a boundary fell inside are kept, merged to one piece per stage; the
+# graph with only those is balanced a last time (the cuts it took are still there). The pieces
+# are kept when the largest stage gets faster by at least SPLIT_GAIN; otherwise the node-level
+# plan stands.
+SPLIT_ABOVE = 0.01
+GRANULE = 0.01
+SPLIT_GAIN = 0.002
+
+
+def _with_mlp_pieces(traced: TracedModel, plan: PartitionPlan, args: dict) -> PartitionPlan:
+    profile = get_profile(args["device"])
+    costs = graph_costs(traced.gm)
+    granule = GRANULE * sum(s.compute_time for s in plan.stages) / plan.num_stages
+
+    traced_nodes = {n.name: n for n in traced.gm.graph.nodes}
+
+    def seconds(node: fx.Node) -> float:
+        return profile.node_time(costs[node.name]) + profile.node_time(costs[node.name], backward=True)
+
+    fine = {}
+    for mlp in pieces.find_mlps(traced.gm):
+        hidden = traced.gm.get_submodule(mlp.fc1.target).out_features
+        k = pieces.pieces_for(sum(seconds(n) for n in (mlp.fc1, *mlp.chain, mlp.fc2)), hidden, granule)
+        if k > 1:
+            fine[mlp.fc1.target] = {"fc2": mlp.fc2.target, "hidden": pieces.fine_hidden(hidden, k)}
+    if not fine:
+        return plan
+    # Where the boundaries would go if cutting were free: each piece takes its share of the
+    # unsplit nodes' time, the partial sums none. The plan made from real costs follows.
+    fine_traced = pieces.split_mlps(traced, fine)
+    ideal = {}
+    for node in fine_traced.gm.graph.nodes:
+        if node.meta.get(pieces.PARTIAL_SUM):
+            ideal[node.name] = 0.0
+        elif pieces.PIECE_OF in node.meta:
+            whole, share = node.meta[pieces.PIECE_OF]
+            ideal[node.name] = share * seconds(traced_nodes[whole])
+    fine_plan = _partition(fine_traced, costs=None, node_seconds=ideal, **args)
+    kept = pieces.coarse_pieces(fine, fine_plan.stage_of(), fine_traced.gm)
+    if not kept:
+        return plan
+    split = _partition(pieces.split_mlps(traced, kept), costs=None, **args)
+    split.mlp_pieces = kept
+    largest = max(s.cost for s in plan.stages)
+    return split if max(s.cost for s in split.stages) < largest * (1.0 - SPLIT_GAIN) else plan
+
+
+def _partition(
+    traced: TracedModel,
+    *,
+    pp: int,
+    chunks: int,
+    tp: int,
+    microbatches: int,
+    balance: str | Sequence[str],
+    device: str | DeviceProfile,
+    schedule: str,
+    mem_cap: float | None,
+    optimizer: str,
+    costs: Mapping[str, NodeCost] | None,
+    model_name: str,
+    activation_dtype: torch.dtype | None,
+    node_seconds: Mapping[str, float] | None = None,
+) -> PartitionPlan:
     n_stages = pp * chunks
     profile = get_profile(device)
     gm = traced.gm
@@ -206,6 +293,8 @@ def partition(
     in_flight = microbatches if schedule == "gpipe" else min(microbatches, pp * chunks)
     order = [n.name for n in nodes]
     compute = [profile.node_time(costs[n]) + profile.node_time(costs[n], backward=True) for n in order]
+    if node_seconds is not None:
+        compute = [node_seconds.get(n, t) for n, t in zip(order, compute)]
     if tp > 1:  # the tensor-parallel collectives the shard rewrite inserted
         for i, node in enumerate(nodes):
             compute[i] += tp_collective_seconds(node, costs[node.name], tp, profile)

@@ -61,6 +61,9 @@ class PartitionPlan:
     imbalance: float
     total_params: int
     schema: int = SCHEMA_VERSION
+    # MLPs a stage boundary falls inside: fc1 -> {"fc2": name, "hidden": piece boundaries}
+    # (see [Note: MLP pieces] in mlp_pieces.py); empty when every cut is between nodes.
+    mlp_pieces: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def num_stages(self) -> int:

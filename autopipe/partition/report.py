@@ -139,7 +139,14 @@ def format_table(plan: PartitionPlan) -> str:
         "time: modelled forward+backward of one micro-batch, communication included; memory: "
         f"{_OPTIMIZER_NOTE} plus activations of the micro-batches in flight"
     )
-    return "\n".join([_header(plan), *body, notes])
+    return "\n".join([_header(plan), *body, *_pieces_lines(plan), notes])
+
+
+def _pieces_lines(plan: PartitionPlan) -> list[str]:
+    """One line per MLP a boundary falls inside: its pieces of hidden units."""
+    return [f"MLP cut across stages: {fc1} -> {spec['fc2']}, hidden units "
+            + " | ".join(f"{a}:{b}" for a, b in zip(spec["hidden"], spec["hidden"][1:]))
+            for fc1, spec in sorted(plan.mlp_pieces.items())]
 
 
 def _in_flight(plan: PartitionPlan) -> int:

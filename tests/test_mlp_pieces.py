@@ -1,0 +1,178 @@
+"""MLPs cut by hidden unit across stages: the rewrite is exact, the partitioner uses it when it
+balances better, and training, full_state_dict and checkpoints keep the model's own numbers."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import autopipe
+from autopipe.emit import emit_stages, run_chain
+from autopipe.errors import ConfigError, PartitionError
+from autopipe.partition.mlp_pieces import merge_pieces, piece_params, split_mlps, take_piece
+from autopipe.partition.partitioner import SPLIT_GAIN, partition
+from autopipe.partition.plan import PartitionPlan
+from autopipe.tracer import trace
+from tests.distributed import run_distributed
+from tests.models import logits, timm_vit
+
+PIECES = {"blocks.0.mlp.fc1": {"fc2": "blocks.0.mlp.fc2", "hidden": [0, 64, 512]},
+          "blocks.1.mlp.fc1": {"fc2": "blocks.1.mlp.fc2", "hidden": [0, 8, 200, 512]}}
+
+
+def _model(seed: int = 0):
+    torch.manual_seed(seed)
+    return timm_vit(embed_dim=64, mlp_ratio=8).double()
+
+
+def _x(n: int = 2, seed: int = 1):
+    return torch.randn(n, 3, 32, 32, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def test_split_mlps_gives_the_same_outputs_and_gradients():
+    model = _model()
+    traced = trace(model, (_x(),))
+    split = split_mlps(traced, PIECES)
+    assert split_mlps(split, PIECES) is split  # already cut this way
+    names = {n.target for n in split.gm.graph.nodes if n.op == "call_module"}
+    assert {"blocks.1.mlp.fc1_piece2", "blocks.1.mlp.fc2_piece2"} <= names and "blocks.0.mlp.fc1" not in names
+    assert "blocks.0.mlp.fc1" in {n.target for n in traced.gm.graph.nodes if n.op == "call_module"}  # untouched
+
+    x = _x()
+    ref, out = traced.gm(x)[0], split.gm(x)[0]
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    ref.square().sum().backward()
+    out.square().sum().backward()
+    grads = merge_pieces({k: p.grad for k, p in split.gm.named_parameters()}, PIECES)
+    want = {k: p.grad for k, p in traced.gm.named_parameters()}
+    assert grads.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(grads[k], want[k], rtol=1e-10, atol=1e-12, msg=k)
+
+
+def test_piece_state_round_trips_through_the_full_names():
+    full = _model().state_dict()
+    keys = piece_params(PIECES)
+    local = {k: take_piece(full, k, PIECES) for k in keys if k.rpartition(".")[2] == "weight" or "fc1" in k}
+    local["blocks.0.mlp.fc2_piece0.bias"] = take_piece(full, "blocks.0.mlp.fc2_piece0.bias", PIECES)
+    local["blocks.1.mlp.fc2_piece0.bias"] = take_piece(full, "blocks.1.mlp.fc2_piece0.bias", PIECES)
+    assert local["blocks.0.mlp.fc2_piece1.weight"].shape == (64, 448)  # columns of fc2
+    assert local["blocks.1.mlp.fc1_piece1.weight"].shape == (192, 64)  # rows of fc1
+    merged = merge_pieces(local, PIECES)
+    for k, v in merged.items():
+        assert torch.equal(v, full[k]), k
+    del local["blocks.1.mlp.fc1_piece1.weight"]
+    with pytest.raises(autopipe.errors.CheckpointError, match="blocks.1.mlp.fc1_piece1.weight"):
+        merge_pieces(local, PIECES)
+
+
+def test_the_partitioner_cuts_an_mlp_when_that_balances_better():
+    model = _model()
+    traced = trace(model, (_x(),))
+    plain = partition(traced, 4, device="cpu", split_mlps=False)
+    plan = partition(traced, 4, device="cpu")
+    assert plan.mlp_pieces and not plain.mlp_pieces
+    assert max(s.cost for s in plan.stages) < max(s.cost for s in plain.stages) * (1 - SPLIT_GAIN)
+    assert plan.imbalance < plain.imbalance
+    # A boundary falls inside each kept MLP: its pieces are in different stages.
+    stage_of = plan.stage_of()
+    for fc1, spec in plan.mlp_pieces.items():
+        fc2 = spec["fc2"].replace(".", "_")
+        assert len({stage_of[f"{fc2}_piece{i}"] for i in range(len(spec["hidden"]) - 1)}) > 1
+    # The chained stages are the model.
+    x = _x()
+    out = run_chain(list(emit_stages(traced, plan).values()), x)
+    torch.testing.assert_close(out[0], traced.gm(x)[0], rtol=1e-12, atol=1e-12)
+    # The plan says so in JSON and in its table.
+    assert PartitionPlan.from_dict(plan.to_dict()).mlp_pieces == plan.mlp_pieces
+    assert "MLP cut across stages: blocks." in str(plan)
+
+
+def test_bad_pieces_are_refused():
+    traced = trace(_model(), (_x(),))
+    with pytest.raises(PartitionError, match="'blocks.0.attn.qkv'"):
+        split_mlps(traced, {"blocks.0.attn.qkv": {"fc2": "blocks.0.attn.proj", "hidden": [0, 8, 192]}})
+    with pytest.raises(PartitionError, match="hidden boundaries"):
+        split_mlps(traced, {"blocks.0.mlp.fc1": {"fc2": "blocks.0.mlp.fc2", "hidden": [0, 600, 512]}})
+    with pytest.raises(ConfigError, match="before any MLP pieces"):
+        partition(split_mlps(traced, PIECES), 2)
+
+
+# ----------------------------------------------------------------------------- on 4 processes
+def _loss(out, y):
+    return F.cross_entropy(logits(out), y)
+
+
+def _data(step: int):
+    g = torch.Generator().manual_seed(50 + step)
+    return torch.randn(8, 3, 32, 32, generator=g, dtype=torch.float64), torch.randint(0, 10, (8,), generator=g)
+
+
+def _pm(seed: int, split: bool):
+    pm = autopipe.parallelize(_model(seed).eval(), (_x(2),), pp=4, microbatches=4, loss_fn=_loss,
+                              split_mlps=split).eval()
+    return pm, torch.optim.AdamW(pm.parameters(), lr=1e-3, weight_decay=0.1)
+
+
+def _step(pm, opt, step):
+    x, y = _data(step)
+    opt.zero_grad()
+    loss = pm.train_step(x, y)
+    pm.step(opt)
+    return float(loss)
+
+
+def _train_and_checkpoint(rank, world, root):
+    # The single-process reference.
+    ref = _model(0).eval()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
+    ref_losses = []
+    for step in range(3):
+        x, y = _data(step)
+        ref_opt.zero_grad()
+        loss = _loss(ref(x), y)
+        loss.backward()
+        ref_opt.step()
+        ref_losses.append(loss.item())
+
+    pm, opt = _pm(0, split=True)
+    pieces = pm.plan.mlp_pieces
+    names = [n for n, _ in pm.named_parameters()]
+    losses = [_step(pm, opt, step) for step in range(2)]
+    split_dir = os.path.join(root, "split")
+    pm.save_checkpoint(split_dir, opt)
+    saved = pm.full_state_dict()
+    losses.append(_step(pm, opt, 2))
+    final = pm.full_state_dict()
+
+    # The pieces load into a layout without them, optimizer state included...
+    plain, plain_opt = _pm(1, split=False)
+    plain.load_checkpoint(split_dir, plain_opt)
+    plain_saved = plain.full_state_dict()
+    plain_loss = _step(plain, plain_opt, 2)
+    plain_final = plain.full_state_dict()
+    # ...and a checkpoint without pieces into one with them.
+    plain_dir = os.path.join(root, "plain")
+    plain.save_checkpoint(plain_dir, plain_opt)
+    again, again_opt = _pm(2, split=True)
+    again.load_checkpoint(plain_dir, again_opt)
+    return dict(pieces=pieces, names=names, losses=losses, ref_losses=ref_losses, ref=ref.state_dict(),
+                saved=saved, final=final, plain_saved=plain_saved, plain_loss=plain_loss,
+                plain_final=plain_final, plain_pieces=plain.plan.mlp_pieces, again=again.full_state_dict())
+
+
+def test_training_with_mlp_pieces_equals_one_process_and_checkpoints_cross_layouts(tmp_path):
+    results = run_distributed(_train_and_checkpoint, 4, str(tmp_path), timeout=400)
+    r0 = results[0]
+    assert r0["pieces"] and not r0["plain_pieces"]
+    assert any("_piece" in n for r in results for n in r["names"])
+    for r in results:
+        assert r["losses"] == pytest.approx(r0["ref_losses"], rel=1e-6)  # losses come back in fp32
+        for k, v in r0["ref"].items():
+            torch.testing.assert_close(r["final"][k], v, rtol=1e-9, atol=1e-12, msg=k)
+            assert torch.equal(r["plain_saved"][k], r0["saved"][k]), k
+            torch.testing.assert_close(r["plain_final"][k], v, rtol=1e-9, atol=1e-12, msg=k)
+            assert torch.equal(r["again"][k], r["plain_final"][k]), k
+        assert r["plain_loss"] == pytest.approx(r0["ref_losses"][2], rel=1e-6)
