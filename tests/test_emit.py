@@ -6,6 +6,7 @@ import torch
 
 from autopipe.emit import emit_stages, run_chain
 from autopipe.errors import ConfigError, PartitionError
+from autopipe.partition.mlp_pieces import merge_pieces, piece_params
 from autopipe.partition.partitioner import partition
 from autopipe.tracer import trace
 from tests.models import MODELS, image_batch, logits
@@ -25,8 +26,9 @@ def _chained(model, traced, plan, x):
     out = traced.unflatten_output(run_chain([stages[i] for i in range(plan.num_stages)], x))
     loss = logits(out).square().mean()
     loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return logits(out).detach(), grads, stages
+    # From the stages: an MLP cut across stages holds copies of its rows (plan.mlp_pieces).
+    held = {n: p.grad.clone() for st in stages.values() for n, p in st.named_parameters() if p.grad is not None}
+    return logits(out).detach(), merge_pieces(held, plan.mlp_pieces), stages
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -47,10 +49,11 @@ def test_chained_stages_reproduce_outputs_and_gradients(name, pp, chunks):
     seen: dict[str, int] = {}
     for i, st in stages.items():
         for key in st.state_dict():
-            assert key in model.state_dict()
+            assert key in model.state_dict() or key in piece_params(plan.mlp_pieces)
         for key, _ in st.named_parameters():
             seen[key] = seen.get(key, 0) + 1
-    assert set(seen) == {n for n, _ in model.named_parameters()}
+    pieces = piece_params(plan.mlp_pieces)
+    assert {pieces[k].full if k in pieces else k for k in seen} == {n for n, _ in model.named_parameters()}
     assert all(v == 1 for v in seen.values()), {k: v for k, v in seen.items() if v > 1}
 
 
