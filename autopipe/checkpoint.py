@@ -14,9 +14,10 @@ Keys are the unmodified model's names with full shapes: ``model.<name>`` and, pe
 gathered over tp, and only tp rank 0 of dp replica 0 of each pipeline rank writes its stages,
 so the files are split over pp ranks and nothing is written twice. Because the keys do not
 depend on the layout, a checkpoint loads into any pp x dp x tp layout of the same model.
-A linear cut across stages (plan.mlp_pieces) is saved as its pieces, ``model.<name>[a:b]``
-and ``optim.<name>[a:b].<state>`` (rows a to b, written by the ranks holding them); loads
-rebuild the full tensor from whatever pieces were saved and cut what this layout holds.
+An MLP cut across stages (plan.mlp_pieces) is saved as its pieces, ``model.<name>[a:b]``
+(rows a to b) or ``model.<name>[:,a:b]`` (columns), and ``optim.<name>[a:b].<state>``, written
+by the ranks holding them; loads rebuild the full tensor from whatever pieces were saved and
+cut what this layout holds.
 
 A save writes a fresh ``ckpt-<id>`` directory, the ranks agree that every write succeeded,
 and only then rank 0 points ``latest`` at it and deletes the older directories. A save that
@@ -48,7 +49,7 @@ from torch.distributed.checkpoint.api import CheckpointException as DCPException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .errors import CheckpointError
-from .partition.mlp_pieces import piece_params
+from .partition.mlp_pieces import PieceParam, piece_params
 from .shard.state import merge_shards, shard_tensor
 
 if TYPE_CHECKING:
@@ -165,12 +166,10 @@ def _stored_name(pm: ParallelModel, name: str) -> str:
     return f"{pp.full}[{':,' if pp.dim == 1 else ''}{pp.start}:{pp.stop}]"
 
 
-def _full_name(pm: ParallelModel, name: str) -> tuple[str, tuple[int, slice] | None]:
-    """The model's name of a stage tensor, and the (dim, slice) of it the stage holds (None: all)."""
+def _full_name(pm: ParallelModel, name: str) -> tuple[str, PieceParam | None]:
+    """The model's name of a stage tensor, and the piece of it the stage holds (None: all)."""
     pp = piece_params(pm.plan.mlp_pieces).get(name)
-    if pp is None or pp.dim is None:
-        return (name, None) if pp is None else (pp.full, None)
-    return pp.full, (pp.dim, slice(pp.start, pp.stop))
+    return (name, None) if pp is None else (pp.full, pp)
 
 
 def _index(stored: Any) -> dict[str, list[tuple[int, int, str]]]:
@@ -198,13 +197,6 @@ def _stored_shape(parts: list[tuple[int, tuple[int, ...]]]) -> tuple[int, ...] |
     if len(parts) == 1:
         return tuple(shape)
     return tuple(sum(p[1][dim] for p in parts) if d == dim else size for d, size in enumerate(shape))
-
-
-def _cut(t: torch.Tensor, held: tuple[int, slice] | None) -> torch.Tensor:
-    if held is None or t.dim() == 0:
-        return t
-    dim, rows = held
-    return t.narrow(dim, rows.start, rows.stop - rows.start).clone()
 
 
 def _optimizer_state(pm: ParallelModel, optimizer: torch.optim.Optimizer,
@@ -474,7 +466,7 @@ def _apply_optimizer(pm: ParallelModel, optimizer: torch.optim.Optimizer, states
             st = dict(entry["values"])
             for k in entry["tensors"]:
                 t = _assemble([loaded[f"optim.{part}.{k}"] for _, _, part in parts], parts[0][0])
-                st[k] = _tp_local(pm, name, _cut(t, held))
+                st[k] = _tp_local(pm, name, t if held is None else held.of(t).clone())
             if st:
                 sd["state"][index] = st
             ids.append(index)

@@ -34,7 +34,7 @@ import copy
 import math
 import operator
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import torch
 import torch.fx as fx
@@ -75,6 +75,12 @@ class PieceParam:
     dim: int | None
     start: int
     stop: int
+
+    def of(self, full: torch.Tensor) -> torch.Tensor:
+        """This piece of ``full`` (a view); a 0-dim tensor, such as an optimizer step, is shared."""
+        if self.dim is None or full.dim() == 0:
+            return full
+        return full.narrow(self.dim, self.start, self.stop - self.start)
 
 
 def piece_module(module: str, i: int) -> str:
@@ -123,10 +129,7 @@ def merge_pieces(state: Mapping[str, torch.Tensor], pieces: Pieces) -> dict[str,
 def take_piece(full_state: Mapping[str, torch.Tensor], key: str, pieces: Pieces) -> torch.Tensor:
     """The tensor for state_dict ``key`` from full tensors: a piece's slice, or the tensor itself."""
     pp = piece_params(pieces).get(key)
-    if pp is None:
-        return full_state[key]
-    full = full_state[pp.full]
-    return full if pp.dim is None else full.narrow(pp.dim, pp.start, pp.stop - pp.start)
+    return full_state[key] if pp is None else pp.of(full_state[pp.full])
 
 
 def _is_linear(node: fx.Node, gm: fx.GraphModule) -> bool:

@@ -231,7 +231,6 @@ def _with_mlp_pieces(traced: TracedModel, plan: PartitionPlan, args: dict) -> Pa
     profile = get_profile(args["device"])
     costs = graph_costs(traced.gm)
     granule = GRANULE * sum(s.compute_time for s in plan.stages) / plan.num_stages
-
     traced_nodes = {n.name: n for n in traced.gm.graph.nodes}
 
     def seconds(node: fx.Node) -> float:
