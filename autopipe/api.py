@@ -66,6 +66,7 @@ def parallelize(
     record_timeline: bool = False,
     cuda_graphs: bool = False,
     split_mlps: bool = True,
+    compile_stages: bool = False,
 ) -> ParallelModel:
     """Parallelize ``model`` over the processes torchrun started; returns a :class:`ParallelModel`.
 
@@ -81,7 +82,9 @@ def parallelize(
     ``split_mlps`` (tp=1, balance="cost") lets a stage boundary fall inside a large MLP when
     that balances the stages better: its hidden units are split between the two stages, held
     as ``<fc1>_piece<i>`` and ``<fc2>_piece<i>`` (see [Note: MLP pieces]); ``full_state_dict``
-    and checkpoints keep the model's own names.
+    and checkpoints keep the model's own names. ``compile_stages=True`` compiles each stage's
+    graph with ``torch.compile`` (inductor fuses the norms, activations and casts between the
+    GEMMs; the first step pays the compilation; see [Note: compiled stages]).
     """
     # 1. Local checks: every rank raises the same error before any collective.
     if isinstance(example_inputs, torch.Tensor):
@@ -137,5 +140,6 @@ def parallelize(
         plan=plan, traced=traced, stages=stages, mesh=mesh, schedule=schedule, loss_fn=loss_fn,
         compute_dtype=_PRECISIONS[mixed_precision], activation_checkpointing=activation_checkpointing,
         deadline=deadline, record_timeline=record_timeline, cuda_graphs=cuda_graphs,
+        compile_stages=compile_stages,
     )
     return ParallelModel(model, runtime, shard_plan=shard_plan, fp16=mixed_precision == "fp16")

@@ -152,7 +152,7 @@ def gather_max(env: Env, value: float) -> float:
 
 # ----------------------------------------------------------------------------- correctness
 def check_equivalence(env: Env, pp: int, tp: int, schedule: str, chunks: int, graphs: bool = False,
-                      sequence_parallel: bool = False) -> float:
+                      sequence_parallel: bool = False, compiled: bool = False) -> float:
     """Max relative parameter error after 3 fp32 SGD steps against a one-GPU reference."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -168,7 +168,8 @@ def check_equivalence(env: Env, pp: int, tp: int, schedule: str, chunks: int, gr
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     pm = autopipe.parallelize(model, (torch.randn(n // m, 3, img, img),), pp=pp, tp=tp, microbatches=m,
                               schedule=schedule, chunks=chunks, loss_fn=loss_fn, device=env.device,
-                              cuda_graphs=graphs and env.cuda, sequence_parallel=sequence_parallel)
+                              cuda_graphs=graphs and env.cuda, sequence_parallel=sequence_parallel,
+                              compile_stages=compiled)
     pm.eval()
     opt = torch.optim.SGD(pm.parameters(), lr=0.05, momentum=0.9)
     for step in range(3):
@@ -239,11 +240,13 @@ class Bench:
                 json.dump({"meta": meta, "results": self.results}, f, indent=1)
 
     # --- one GPU
-    def single(self, batch_size: int) -> dict:
+    def single(self, batch_size: int, compiled: bool = False) -> dict:
         env = self.env
         out: dict[str, Any] = {}
         if env.rank == 0:
             model = self.fresh_model().to(env.device).train()
+            if compiled:
+                model.compile(dynamic=False)
             opt = adamw(model.parameters(), env)
             x, y = batch(env, batch_size, self.img, self.classes)
             elapsed = time_steps(env, eager_step(env, model, opt, x, y), self.args.warmup, self.args.steps,
@@ -255,7 +258,7 @@ class Bench:
 
     # --- autopipe
     def autopipe(self, batch_size: int, *, pp: int, tp: int, m: int, schedule: str, chunks: int = 1,
-                 graphs: bool = False, sequence_parallel: bool = False) -> dict:
+                 graphs: bool = False, sequence_parallel: bool = False, compiled: bool = False) -> dict:
         env = self.env
         t0 = time.perf_counter()
         model = self.fresh_model()
@@ -263,7 +266,8 @@ class Bench:
         pm = autopipe.parallelize(model, (x_mb,), pp=pp, tp=tp, microbatches=m, schedule=schedule, chunks=chunks,
                                   loss_fn=loss_fn, mixed_precision="bf16", device=env.device,
                                   profile=None if not env.cuda else "h200", record_timeline=pp > 1,
-                                  cuda_graphs=graphs and env.cuda, sequence_parallel=sequence_parallel)
+                                  cuda_graphs=graphs and env.cuda, sequence_parallel=sequence_parallel,
+                                  compile_stages=compiled)
         build_s = time.perf_counter() - t0
         del model
         pm.train()
@@ -297,7 +301,7 @@ class Bench:
 
     # --- torch.distributed.pipelining, stages split by blocks like autopipe's ViT plans
     def torch_pipeline(self, batch_size: int, *, pp: int, m: int, schedule: str, chunks: int = 1,
-                       tp: int = 1) -> dict:
+                       tp: int = 1, compiled: bool = False) -> dict:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
         env = self.env
@@ -311,6 +315,9 @@ class Bench:
             dtensor_tp(model, mesh["tp"], tp)
         n_stages = pp * chunks
         parts = split_vit(model, n_stages)
+        if compiled:
+            for part in parts:
+                part.compile(dynamic=False)
         local = [s for s in range(n_stages) if s % pp == pp_rank]
         stages = [PipelineStage(parts[s].to(env.device).train(), s, n_stages, env.device, group=pp_group)
                   for s in local]
@@ -409,11 +416,13 @@ def suite(bench: Bench, which: str) -> None:
         if only is None or any(o in name for o in only):
             bench.record(name, batch_size, gpus, fn)
 
-    def check(pp: int, tp: int, sched: str, chunks: int, graphs: bool = False, sp: bool = False) -> None:
-        name = f"check autopipe pp={pp} tp={tp} {sched}" + (" graphs" if graphs else "") + (" seq-par" if sp else "")
+    def check(pp: int, tp: int, sched: str, chunks: int, graphs: bool = False, sp: bool = False,
+              compiled: bool = False) -> None:
+        name = (f"check autopipe pp={pp} tp={tp} {sched}" + (" graphs" if graphs else "") + (" seq-par" if sp else "")
+                + (" compiled" if compiled else ""))
 
         def measure() -> dict:
-            err = check_equivalence(env, pp, tp, sched, chunks, graphs, sp)
+            err = check_equivalence(env, pp, tp, sched, chunks, graphs, sp, compiled)
             return {"max_rel_err": err, "ok": err <= 1e-5}
 
         run(name, 0, pp * tp, measure)
@@ -447,6 +456,20 @@ def suite(bench: Bench, which: str) -> None:
             run(f"autopipe pp=2 interleaved graphs m={mm}", B, 2,
                 lambda mm=mm: bench.autopipe(B, pp=2, tp=1, m=mm, schedule="interleaved_1f1b", chunks=2,
                                              graphs=True))
+        # Compiled stages (inductor; [Note: compiled stages]), beside torch.compile'd baselines.
+        check(2, 1, "interleaved_1f1b", 2, graphs=True, compiled=True)
+        check(1, 2, "1f1b", 1, sp=True, compiled=True)
+        run(f"autopipe pp=2 interleaved graphs compiled chunks=4 m={m // 2}", B, 2,
+            lambda: bench.autopipe(B, pp=2, tp=1, m=m // 2, schedule="interleaved_1f1b", chunks=4, graphs=True,
+                                   compiled=True))
+        run(f"autopipe pp=2 1f1b graphs compiled m={m}", B, 2,
+            lambda: bench.autopipe(B, pp=2, tp=1, m=m, schedule="1f1b", graphs=True, compiled=True))
+        run("autopipe tp=2 sequence parallel compiled", Btp, 2,
+            lambda: bench.autopipe(Btp, pp=1, tp=2, m=1, schedule="1f1b", sequence_parallel=True, compiled=True))
+        run("one GPU compiled", B, 1, lambda: bench.single(B, compiled=True))
+        for sched, chunks in (("1f1b", 1), ("interleaved_1f1b", 2)):
+            run(f"torch pipelining pp=2 {sched} compiled", B, 2,
+                lambda s=sched, c=chunks: bench.torch_pipeline(B, pp=2, m=m, schedule=s, chunks=c, compiled=True))
         # Last: on 2 x H200 (2026-11-23) this one stopped in a coalesced send/recv until NCCL's
         # watchdog aborted both ranks (docs/benchmarks.md); it runs on CPU over gloo.
         run(f"autopipe pp=2 interleaved graphs chunks=8 m={m // 2}", B, 2,
@@ -490,17 +513,20 @@ def table(results: list[dict]) -> str:
         lines.append(f"{r['config']:44} {r['batch']:>5} {s:>9.1f} {s / g:>8.1f} "
                      f"{(s / base if base else float('nan')):>8.2f} {r.get('peak_gib', 0):>8.2f}  {notes}")
 
-    def best(prefix: str) -> tuple[float, str]:
+    def best(prefix: str, compiled: bool = True) -> tuple[float, str]:
         rows = [(r["samples_s"], r["config"]) for r in results if r["config"].startswith(prefix) and "samples_s" in r
-                and ("tp=2" in prefix or "tp=2" not in r["config"])]
+                and ("tp=2" in prefix or "tp=2" not in r["config"]) and (compiled or "compiled" not in r["config"])]
         return max(rows) if rows else (float("nan"), "-")
 
     for ours, theirs in (("autopipe pp=2 ", "torch pipelining pp=2 "), ("autopipe tp=2", "DTensor tp=2"),
                          ("autopipe pp=4 ", "torch pipelining pp=4 "),
                          ("autopipe pp=2 x tp=2", "torch pipelining pp=2 + DTensor")):
-        (a, an), (b, bn) = best(ours), best(theirs)
-        if a == a and b == b:
-            lines.append(f"best {an} / best {bn}: {a / b:.2f}x")
+        shown = set()
+        for compiled in (False, True):  # against the eager baselines, then against any
+            (a, an), (b, bn) = best(ours), best(theirs, compiled)
+            if a == a and b == b and (an, bn) not in shown:
+                shown.add((an, bn))
+                lines.append(f"best {an} / best {bn}: {a / b:.2f}x")
     return "\n".join(lines)
 
 

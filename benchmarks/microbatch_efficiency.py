@@ -134,9 +134,11 @@ class Bench:
                 json.dump({"meta": meta, "results": self.rows}, f, indent=1)
 
     # --- configurations
-    def eager(self, m: int, *, one_autocast: bool = False) -> Callable[[], None]:
+    def eager(self, m: int, *, one_autocast: bool = False, compiled: bool = False) -> Callable[[], None]:
         model = copy.deepcopy(self.base).to(self.device).train()
         opt = self.optimizer(model.parameters())
+        if compiled:
+            model.compile(dynamic=False)
         xs, ys = self.x.chunk(m), self.y.chunk(m)
         dev = self.device.type
 
@@ -155,11 +157,12 @@ class Bench:
 
         return step
 
-    def autopipe(self, m: int, *, graphs: bool) -> Callable[[], None]:
+    def autopipe(self, m: int, *, graphs: bool, compiled: bool = False) -> Callable[[], None]:
         model = copy.deepcopy(self.base)
         pm = autopipe.parallelize(model, (self.x[: self.args.batch // m].cpu(),), pp=1, microbatches=m,
                                   loss_fn=loss_fn, mixed_precision="bf16", device=self.device,
-                                  profile="h200" if self.cuda else None, cuda_graphs=graphs and self.cuda)
+                                  profile="h200" if self.cuda else None, cuda_graphs=graphs and self.cuda,
+                                  compile_stages=compiled)
         pm.train()
         opt = self.optimizer(pm.parameters())
 
@@ -171,7 +174,7 @@ class Bench:
         return step
 
 
-def check_bf16(bench: Bench, m: int) -> dict[str, Any]:
+def check_bf16(bench: Bench, m: int, compiled: bool = False) -> dict[str, Any]:
     """autopipe pp=1 (bf16, CUDA graphs where available) against eager autocast with the same
     micro-batches, 3 SGD steps: losses and parameters agree to bf16 precision."""
     from autopipe.runtime import weight_casts
@@ -181,7 +184,8 @@ def check_bf16(bench: Bench, m: int) -> dict[str, Any]:
     n = min(bench.args.batch, 8 * m)
     x, y = bench.x[:n], bench.y[:n]
     pm = autopipe.parallelize(model, (x[: n // m].cpu(),), pp=1, microbatches=m, loss_fn=loss_fn,
-                              mixed_precision="bf16", device=bench.device, cuda_graphs=bench.cuda)
+                              mixed_precision="bf16", device=bench.device, cuda_graphs=bench.cuda,
+                              compile_stages=compiled)
     pm.train()
     opt, opt_ref = torch.optim.SGD(pm.parameters(), lr=0.01), torch.optim.SGD(ref.parameters(), lr=0.01)
     worst_loss = 0.0
@@ -231,6 +235,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, batch 16")
+    ap.add_argument("--compile", action="store_true",
+                    help="also time torch.compile: the whole model (m=1) and autopipe's compiled stages")
+    ap.add_argument("--only", default="", help="comma-separated substrings of configuration names to run")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     if args.smoke:
@@ -240,17 +247,32 @@ def main() -> None:
         torch.backends.cudnn.allow_tf32 = True
     bench = Bench(args)
     ms = [int(v) for v in args.microbatches.split(",")]
-    row = {"config": f"check bf16 autopipe pp=1 m={ms[-1]} vs autocast"} | check_bf16(bench, ms[-1])
-    print("  " + ", ".join(f"{k}={v}" for k, v in row.items()), flush=True)
-    bench.rows.append(row)
-    bench.record("eager m=1", lambda: bench.eager(1), profile=True)
+    wanted = [w for w in args.only.split(",") if w]
+
+    def run(name: str, make: Callable[[], Callable[[], None]], profile: bool = False) -> None:
+        if not wanted or any(w in name for w in wanted):
+            bench.record(name, make, profile)
+
+    for compiled in (False, True) if args.compile else (False,):
+        name = f"check bf16 autopipe pp=1 m={ms[-1]}{' compiled' if compiled else ''} vs autocast"
+        if not wanted or any(w in name for w in wanted):
+            row = {"config": name} | check_bf16(bench, ms[-1], compiled)
+            print("  " + ", ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+            bench.rows.append(row)
+    run("eager m=1", lambda: bench.eager(1), profile=True)
+    if args.compile:
+        run("eager m=1 compiled", lambda: bench.eager(1, compiled=True), profile=True)
     for m in ms:
-        bench.record(f"eager m={m}", lambda m=m: bench.eager(m), profile=m == ms[-1])
-        bench.record(f"eager m={m}, one autocast", lambda m=m: bench.eager(m, one_autocast=True))
-        bench.record(f"autopipe pp=1 m={m}", lambda m=m: bench.autopipe(m, graphs=False), profile=m == ms[-1])
+        run(f"eager m={m}", lambda m=m: bench.eager(m), profile=m == ms[-1])
+        run(f"eager m={m}, one autocast", lambda m=m: bench.eager(m, one_autocast=True))
+        run(f"autopipe pp=1 m={m}", lambda m=m: bench.autopipe(m, graphs=False), profile=m == ms[-1])
+        if args.compile:
+            run(f"autopipe pp=1 m={m} compiled", lambda m=m: bench.autopipe(m, graphs=False, compiled=True))
         if bench.cuda:
-            bench.record(f"autopipe pp=1 m={m} graphs", lambda m=m: bench.autopipe(m, graphs=True),
-                         profile=m == ms[-1])
+            run(f"autopipe pp=1 m={m} graphs", lambda m=m: bench.autopipe(m, graphs=True), profile=m == ms[-1])
+            if args.compile:
+                run(f"autopipe pp=1 m={m} graphs compiled",
+                    lambda m=m: bench.autopipe(m, graphs=True, compiled=True), profile=m == ms[-1])
     for r in bench.rows:
         if "top_kernels_ms" in r:
             print(f"\n{r['config']}: wall {r['profiled_wall_ms']} ms, kernels {r['kernel_ms']} ms "

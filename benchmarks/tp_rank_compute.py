@@ -87,6 +87,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model")
+    ap.add_argument("--compile", action="store_true", help="also time torch.compile'd model and shards")
+    ap.add_argument("--only", default="", help="comma-separated substrings of configuration names to run")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     cuda = torch.cuda.is_available() and not a.smoke
@@ -105,6 +107,8 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
 
     def record(name: str, make: Callable[[], Callable[[], None]]) -> None:
+        if a.only and not any(w in name for w in a.only.split(",")):
+            return
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
@@ -119,16 +123,20 @@ def main() -> None:
         rows.append(row)
         print("  " + ", ".join(f"{k}={v}" for k, v in row.items()), flush=True)
 
-    def whole(graphed: bool) -> Callable[[], None]:
+    def whole(graphed: bool, compiled: bool = False) -> Callable[[], None]:
         model = copy.deepcopy(base).to(device).train()
+        if compiled:
+            model.compile(dynamic=False)
         return training_step(model, x, y, None, graphed)
 
-    def shard(graphed: bool, sequence_parallel: bool = False) -> Callable[[], None]:
+    def shard(graphed: bool, sequence_parallel: bool = False, compiled: bool = False) -> Callable[[], None]:
         traced = trace(copy.deepcopy(base).train(), (x.cpu(),))
         plan = plan_sharding(traced, a.tp, sequence_parallel=sequence_parallel)
         sharded = apply_sharding(traced, plan, 0, group=None)
         gm = sharded.gm.to(device).train()
         casts = WeightCasts.install([gm], torch.bfloat16)
+        if compiled:  # as parallelize(compile_stages=True) does: see [Note: compiled stages]
+            gm.forward = torch.compile(gm.forward, dynamic=False)
         return training_step(gm, x, y, casts, graphed)
 
     record("whole model, eager", lambda: whole(False))
@@ -137,6 +145,10 @@ def main() -> None:
     if cuda:
         record("whole model, CUDA graph", lambda: whole(True))
         record(f"tp={a.tp} rank 0 shard, CUDA graph", lambda: shard(True))
+    if a.compile:
+        record("whole model, compiled", lambda: whole(False, compiled=True))
+        record(f"tp={a.tp} rank 0 shard, compiled", lambda: shard(False, compiled=True))
+        record(f"tp={a.tp} rank 0 shard, seq. parallel, compiled", lambda: shard(False, True, compiled=True))
 
     ref = next((r["step_ms"] for r in rows if r["config"] == "whole model, eager" and "step_ms" in r), None)
     print(f"\n{'configuration':36} {'step ms':>8} {'x whole/' + str(a.tp):>10} {'peak GiB':>9}")

@@ -21,6 +21,7 @@ from autopipe.runtime.microbatch import merge, split_inputs, split_targets
 from autopipe.runtime.p2p import P2P, BufferPool, TensorSpec, Transfer, check_boundary, floating_indices
 from autopipe.runtime.schedule import ActionKind, rank_actions, validate
 from autopipe.runtime.timeline import Timeline
+from autopipe.runtime.warmup import warm_up
 
 __all__ = ["PipelineDriver"]
 
@@ -44,6 +45,8 @@ class PipelineDriver:
     and k + 1 for one micro-batch; ``input_specs`` (optional) the model inputs', checked at
     every step. With pp = 1 all stages are local and tensors are handed over in memory.
     ``store``/``deadline`` tune failure propagation (see [Note: failure propagation]).
+    ``warm_up_stages`` runs each local stage once before the first step of each mode, so that
+    compiled stages compile on every rank at once (see [Note: stage warm-up]).
     """
 
     def __init__(
@@ -65,6 +68,7 @@ class PipelineDriver:
         store: dist.Store | None = None,
         deadline: float = DEFAULT_DEADLINE,
         cuda_graphs: bool = False,
+        warm_up_stages: bool = False,
     ) -> None:
         validate(schedule, pp, microbatches, chunks)
         n = pp * chunks
@@ -95,6 +99,8 @@ class PipelineDriver:
                               "input specs; pass cuda_graphs=False")
         self.cuda_graphs = cuda_graphs
         self._graphs: dict[int, StageGraphs] = {}  # captured at the first train step
+        self.warm_up_stages = warm_up_stages
+        self._warm: set[tuple[int, bool, bool]] = set()  # (stage, training, grad) already run
         self._slot: dict[tuple[int, int], int] = {}
         self._train_program = None if schedule == "forward_only" else self._compile(schedule)
         self._eval_program = self._compile("forward_only")
@@ -135,6 +141,8 @@ class PipelineDriver:
             with self.monitor.guard():
                 if self.cuda_graphs:
                     self._capture_graphs()
+                else:
+                    self._warm_up(grad=True)
                 self._prepare(inputs, targets, grad=True, keep=return_outputs)
                 self._run(self._train_program)
                 loss = self._broadcast_loss()
@@ -151,11 +159,27 @@ class PipelineDriver:
         """
         try:
             with self.monitor.guard(), torch.no_grad():
+                self._warm_up(grad=False)
                 self._prepare(inputs, None, grad=False, keep=True)
                 self._run(self._eval_program)
                 return self._collect()
         finally:
             self._reset()
+
+    def _stage_inputs(self, s: int) -> tuple[list[TensorSpec], list[bool]]:
+        """Stage ``s``'s input specs for one micro-batch, and which carry a gradient."""
+        specs = list(self.input_specs) if s == 0 else self._specs[s - 1]
+        return specs, [s > 0 and spec.dtype.is_floating_point for spec in specs]
+
+    def _warm_up(self, grad: bool) -> None:
+        """See [Note: stage warm-up]; stage 0 needs the model's input specs."""
+        if not self.warm_up_stages or (0 in self.stages and self.input_specs is None):
+            return
+        for s, stage in sorted(self.stages.items()):
+            key = (s, stage.training, grad)
+            if key not in self._warm:
+                warm_up(stage, *self._stage_inputs(s), self.device, backward=grad)
+                self._warm.add(key)
 
     def _capture_graphs(self) -> None:
         """Captures every local stage once, in the mode it is in now; see runtime/graphs.py."""
@@ -166,9 +190,7 @@ class PipelineDriver:
                     actions[a.stage].append(("F" if a.kind is F else "B", a.microbatch))
             slots = slots_per_stage(actions)
             for s in sorted(self.stages):
-                specs = list(self.input_specs) if s == 0 else self._specs[s - 1]
-                grads = [s > 0 and spec.dtype.is_floating_point for spec in specs]
-                self._graphs[s] = StageGraphs(self.stages[s], specs, grads, slots[s], self.device)
+                self._graphs[s] = StageGraphs(self.stages[s], *self._stage_inputs(s), slots[s], self.device)
         for graphs in self._graphs.values():
             graphs.prepare_grads()
 

@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from autopipe.runtime.p2p import TensorSpec
+from autopipe.runtime.warmup import stand_in_inputs
 
 __all__ = ["StageGraphs", "slots_per_stage"]
 
@@ -68,11 +69,7 @@ class StageGraphs:
         self._free = list(range(slots))[::-1]
         self._slots = []
         for _ in range(slots):
-            sample = tuple(
-                (torch.randn(s.shape, device=device).to(s.dtype) if s.dtype.is_floating_point
-                 else torch.zeros(s.shape, dtype=s.dtype, device=device)).requires_grad_(g)
-                for s, g in zip(input_specs, grad_inputs)
-            )
+            sample = stand_in_inputs(input_specs, grad_inputs, device)
             slot = _Slot(stage)
             self._slots.append(torch.cuda.make_graphed_callables(slot, sample, allow_unused_input=True))
         self._grads_ready = False

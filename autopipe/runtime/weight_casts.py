@@ -36,20 +36,23 @@ __all__ = ["WeightCasts"]
 _mm_out_dtype: bool | None = None  # whether torch.mm takes out_dtype here (CUDA, torch >= 2.8)
 
 
+def _probe_mm_out_dtype(device: torch.device) -> None:
+    """Finds out once, outside any traced or captured region, whether ``torch.mm`` makes fp32
+    output from bf16 operands on ``device`` (``_mm_fp32`` then reads a constant)."""
+    global _mm_out_dtype
+    if device.type != "cuda" or _mm_out_dtype is not None:
+        return
+    a = torch.zeros(2, 2, device=device, dtype=torch.bfloat16)
+    try:
+        _mm_out_dtype = torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError):  # no out_dtype in this torch, or not for these operands
+        _mm_out_dtype = False
+
+
 def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` of low-precision operands, accumulated and returned in fp32."""
-    global _mm_out_dtype
-    if a.is_cuda and _mm_out_dtype is not False:
-        try:
-            out = torch.mm(a, b, out_dtype=torch.float32)
-            _mm_out_dtype = True
-            return out
-        except torch.OutOfMemoryError:
-            raise
-        except (TypeError, RuntimeError):  # no out_dtype in this torch, or not for these operands
-            if _mm_out_dtype:
-                raise
-            _mm_out_dtype = False
+    if a.is_cuda and _mm_out_dtype:
+        return torch.mm(a, b, out_dtype=torch.float32)
     return torch.mm(a.float(), b.float())
 
 
@@ -125,6 +128,7 @@ class WeightCasts:
                 if forward is None or id(module) in seen or not module.weight.is_floating_point():
                     continue
                 seen.add(id(module))
+                _probe_mm_out_dtype(module.weight.device)
                 weight, bias = module.weight, module.bias if forward is _forward else None
                 low = [torch.empty_like(p, dtype=dtype) if p is not None else None for p in (weight, bias)]
                 module.forward = functools.partial(forward, module, *low)  # the instance's own

@@ -172,7 +172,11 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def fx_leaf(fn: F) -> F:
     """Keep ``fn`` one call_function node when a graph is traced again (GraphModule unpickling
-    re-traces its code symbolically): with a Proxy argument, record the call, do not run it."""
+    re-traces its code symbolically): with a Proxy argument, record the call, do not run it.
+
+    ``torch.compile`` does not trace into it either (compiled stages run each collective
+    eagerly between compiled regions): on the fake tensors it traces with, the collective
+    would take itself for a planning graph's and become the identity."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -181,7 +185,7 @@ def fx_leaf(fn: F) -> F:
             return proxy.tracer.create_proxy("call_function", wrapper, args, kwargs)
         return fn(*args, **kwargs)
 
-    return wrapper  # type: ignore[return-value]
+    return torch.compiler.disable(wrapper)  # type: ignore[return-value]
 
 
 def _shapes_only(x: torch.Tensor) -> bool:
