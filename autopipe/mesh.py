@@ -5,12 +5,13 @@ Rank layout: tp innermost (neighbouring ranks share the fastest links), then dp,
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from .errors import ConfigError
+from .runtime.p2p import link_groups
 
 __all__ = ["ParallelDims", "Mesh", "build_mesh"]
 
@@ -62,6 +63,8 @@ class Mesh:
     dp_group: dist.ProcessGroup | None
     tp_group: dist.ProcessGroup | None
     device: torch.device
+    # One group per directed link between pipeline ranks (see [Note: transfer streams]).
+    links: dict[tuple[int, int], dist.ProcessGroup] = field(default_factory=dict)
 
 
 def default_device() -> torch.device:
@@ -81,8 +84,9 @@ def build_mesh(dims: ParallelDims, device: torch.device) -> Mesh:
     if dims.world_size == 1:
         return Mesh(dims, 0, 0, 0, 0, None, None, None, device)
     mesh = init_device_mesh(device.type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=("pp", "dp", "tp"))
+    pipelines = [[dims.rank_of(p, d, t) for p in range(dims.pp)] for d in range(dims.dp) for t in range(dims.tp)]
     return Mesh(
         dims, rank, pp_rank, dp_rank, tp_rank,
         pp_group=mesh.get_group("pp"), dp_group=mesh.get_group("dp"), tp_group=mesh.get_group("tp"),
-        device=device,
+        device=device, links=link_groups(pipelines) if dims.pp > 1 else {},
     )

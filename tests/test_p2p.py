@@ -12,9 +12,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autopipe.errors import InputError
+from autopipe.errors import ConfigError, InputError
 from autopipe.runtime import PipelineDriver
-from autopipe.runtime.p2p import P2P, BufferPool, TensorSpec, Transfer, check_boundary, floating_indices
+from autopipe.runtime.p2p import (
+    P2P, BufferPool, TensorSpec, Transfer, check_boundary, floating_indices, link_groups, ring_links,
+)  # fmt: skip
 from tests.distributed import run_distributed
 
 __all__: list[str] = []
@@ -36,6 +38,12 @@ def test_check_boundary_names_stage_and_shapes() -> None:
         check_boundary([good[0], good[1].int(), good[2]], SPECS, 1, 5)
     with pytest.raises(InputError, match="stage 0 returned"):
         check_boundary(good[:2], SPECS, 0, 0)
+
+
+def test_ring_links_join_neighbours_both_ways() -> None:
+    assert ring_links(1) == []
+    assert ring_links(2) == [(0, 1), (1, 0)]
+    assert ring_links(4) == [(0, 1), (0, 3), (1, 0), (1, 2), (2, 1), (2, 3), (3, 0), (3, 2)]
 
 
 def test_buffers_are_reused_unless_aliased() -> None:
@@ -87,12 +95,22 @@ def mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def subgroup_worker(rank: int, world_size: int) -> Any:
     group = dist.new_group([1, 2])
+    links = link_groups([[1, 2]])  # every process takes part, rank 0 too
     if rank == 0:
+        assert links == {}
         return None
     me = dist.get_rank(group)
-    p2p = P2P(group)
+    # One group per direction, both of ranks 1 and 2: see [Note: transfer streams].
+    assert sorted(links) == ring_links(2) and links[(0, 1)] is not links[(1, 0)]
+    assert all(dist.get_process_group_ranks(g) == [1, 2] for g in links.values())
+    p2p = P2P(group, links)
+    assert p2p.link(True, 1 - me) is links[(me, 1 - me)] and p2p.link(False, 1 - me) is links[(1 - me, me)]
+    with pytest.raises(ConfigError, match=r"pp_group has 2 of the 3 processes: build the pipelines' links"):
+        PipelineDriver({me: nn.Identity()}, [[TensorSpec((3, 8), torch.float32)]], pp=2, chunks=1, pp_rank=me,
+                       pp_group=group, schedule="1f1b", microbatches=2, loss_fn=mse, postprocess=lambda t: t,
+                       device="cpu")
     assert p2p.global_rank(0) == 1 and p2p.global_rank(1) == 2
-    # Both directions in one batch, mixed dtypes: FIFO per direction, handles in order.
+    # Both directions in one post, mixed dtypes: FIFO per direction, handles in order.
     mine = [torch.full(s.shape, 10.0 * rank + i).to(s.dtype) for i, s in enumerate(SPECS)]
     inbox = BufferPool("cpu").acquire("act", SPECS)
     send, recv = p2p.post([Transfer(True, mine, 1 - me, "send"), Transfer(False, inbox, 1 - me, "recv")])
@@ -103,7 +121,7 @@ def subgroup_worker(rank: int, world_size: int) -> Any:
     stage = models()[me]
     driver = PipelineDriver(
         {me: stage}, [[TensorSpec((3, 8), torch.float32)] * 2], pp=2, chunks=1, pp_rank=me, pp_group=group,
-        schedule="1f1b", microbatches=2, loss_fn=mse, postprocess=lambda t: t[0], device="cpu",
+        schedule="1f1b", microbatches=2, loss_fn=mse, postprocess=lambda t: t[0], device="cpu", links=links,
     )
     x, y = data()
     loss = driver.train_step((x,), y)

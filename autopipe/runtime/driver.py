@@ -18,8 +18,11 @@ from autopipe.errors import ConfigError, InputError, ScheduleError
 from autopipe.runtime.graphs import StageGraphs, slots_per_stage
 from autopipe.runtime.failure import DEFAULT_DEADLINE, FailureMonitor, failure_key
 from autopipe.runtime.microbatch import merge, split_inputs, split_targets
-from autopipe.runtime.p2p import P2P, BufferPool, TensorSpec, Transfer, check_boundary, floating_indices
+from autopipe.runtime.p2p import (
+    P2P, BufferPool, Link, TensorSpec, Transfer, check_boundary, floating_indices, link_groups,
+)  # fmt: skip
 from autopipe.runtime.schedule import ActionKind, rank_actions, validate
+from autopipe.runtime.streams import posting_order
 from autopipe.runtime.timeline import Timeline
 from autopipe.runtime.warmup import warm_up
 
@@ -44,6 +47,8 @@ class PipelineDriver:
     same order as its other drivers). ``boundary_specs[k]`` lists the tensors between stages k
     and k + 1 for one micro-batch; ``input_specs`` (optional) the model inputs', checked at
     every step. With pp = 1 all stages are local and tensors are handed over in memory.
+    ``links`` gives each directed link between pipeline ranks its process group (from
+    :func:`~autopipe.runtime.p2p.link_groups`; built here when ``pp_group`` spans the world).
     ``store``/``deadline`` tune failure propagation (see [Note: failure propagation]).
     ``warm_up_stages`` runs each local stage once before the first step of each mode, so that
     compiled stages compile on every rank at once (see [Note: stage warm-up]).
@@ -69,6 +74,7 @@ class PipelineDriver:
         deadline: float = DEFAULT_DEADLINE,
         cuda_graphs: bool = False,
         warm_up_stages: bool = False,
+        links: dict[Link, dist.ProcessGroup] | None = None,
     ) -> None:
         validate(schedule, pp, microbatches, chunks)
         n = pp * chunks
@@ -83,7 +89,7 @@ class PipelineDriver:
         self._specs = [list(b) for b in boundary_specs]
         self._in_float = {s: floating_indices(self._specs[s - 1]) if s else () for s in stages}
         self._out_float = {s: floating_indices(self._specs[s]) if s < n - 1 else () for s in stages}
-        self.p2p = P2P(pp_group) if pp > 1 else None
+        self.p2p = P2P(pp_group, links if links is not None else _own_links(pp_group)) if pp > 1 else None
         self.pool = BufferPool(self.device)
         # CPU tensors travel over gloo, whose p2p works finish only inside wait().
         self.monitor = FailureMonitor(
@@ -112,6 +118,7 @@ class PipelineDriver:
             with self.monitor.guard():
                 work = dist.all_reduce(torch.zeros(1, device=self.device), group=pp_group, async_op=True)
                 self.monitor.wait([work], "start-up all-reduce of the pipeline group")
+                self.p2p.connect(self._links_used(), self.device, self.monitor.wait)
 
     def train(self, mode: bool = True) -> PipelineDriver:
         """Sets train/eval mode of every local stage (dropout, batch norm)."""
@@ -195,11 +202,12 @@ class PipelineDriver:
             graphs.prepare_grads()
 
     def _compile(self, schedule: str) -> list[Step]:
-        """Bound steps for the action list; the transfers between two computes form one batch
-        (see [Note: coalesced transfers] in p2p.py)."""
+        """Bound steps for the action list in posting order (see [Note: transfer streams] in
+        streams.py); the transfers between two computes are posted by one step."""
         steps: list[Step] = []
         batch: list[tuple] = []
-        for a in rank_actions(schedule, self.pp, self.microbatches, self.chunks, self.pp_rank):
+        actions = rank_actions(schedule, self.pp, self.microbatches, self.chunks, self.pp_rank)
+        for a in posting_order(actions):
             s, mb = a.stage, a.microbatch
             if a.kind is F or a.kind is B:
                 if batch:
@@ -213,6 +221,15 @@ class PipelineDriver:
         if batch:
             steps.append((self._transfer, tuple(batch), None))
         return steps
+
+    def _links_used(self) -> list[Link]:
+        """The directed links this rank's programs send or receive on."""
+        used = set()
+        for step, batch, _ in (self._train_program or []) + self._eval_program:
+            if step == self._transfer:
+                for kind, _, _, peer, _ in batch:
+                    used.add((self.pp_rank, peer) if kind in SENDS else (peer, self.pp_rank))
+        return sorted(used)
 
     def _reset(self) -> None:
         for (s, _), slot in self._slot.items():  # the slots a failed step still held
@@ -374,6 +391,18 @@ class PipelineDriver:
         if self._last not in self.stages:
             return None
         return self.postprocess(merge([self._outputs[mb] for mb in range(self.microbatches)]))
+
+
+def _own_links(group: dist.ProcessGroup | None) -> dict[Link, dist.ProcessGroup]:
+    """The links of a pipeline spanning every process; a smaller pipeline group needs its links
+    built by every process of the world (link_groups), so the caller must pass them."""
+    world = dist.get_world_size()
+    if dist.get_world_size(group) != world:
+        raise ConfigError(
+            f"pp_group has {dist.get_world_size(group)} of the {world} processes: build the pipelines' links "
+            f"on every process with autopipe.runtime.p2p.link_groups(pipelines) and pass links=")
+    ranks = [dist.get_global_rank(group if group is not None else dist.group.WORLD, r) for r in range(world)]
+    return link_groups([ranks])
 
 
 def _check_layout(stages: dict[int, nn.Module], boundary_specs: Sequence, pp: int, chunks: int,

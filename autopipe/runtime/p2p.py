@@ -6,14 +6,17 @@ recycled through a :class:`BufferPool`. Peers are pipeline ranks; global ranks a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
 
-from autopipe.errors import InputError
+from autopipe.errors import ConfigError, InputError
 
-__all__ = ["TensorSpec", "Transfer", "Handle", "P2P", "BufferPool", "floating_indices", "check_boundary"]
+__all__ = [
+    "TensorSpec", "Transfer", "Handle", "Link", "P2P", "BufferPool",
+    "ring_links", "link_groups", "floating_indices", "check_boundary",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -83,40 +86,82 @@ class Handle:
         self.send = transfer.send
 
 
-class P2P:
-    """Posts batched non-blocking sends and receives between the ranks of the pipeline group.
+Link = tuple[int, int]  # (sending pipeline rank, receiving pipeline rank)
 
-    ``group`` is the pp process group (``None``: the default group); peers are given as ranks
-    in that group and translated to global ranks once, here.
+
+def ring_links(pp: int) -> list[Link]:
+    """The directed links between neighbouring pipeline ranks, the wrap-around included (the
+    last rank feeds rank 0's next chunk in interleaved schedules), in one fixed order."""
+    if pp < 2:
+        return []
+    return sorted({(r, (r + 1) % pp) for r in range(pp)} | {((r + 1) % pp, r) for r in range(pp)})
+
+
+def link_groups(pipelines: Sequence[Sequence[int]]) -> dict[Link, dist.ProcessGroup]:
+    """One two-rank process group per directed link of every pipeline; see [Note: transfer
+    streams] in streams.py. Collective: every process of the world calls it with the same
+    ``pipelines`` (each the global ranks of one pipeline, by pipeline rank), since every
+    process takes part in creating every group. Returns the links of this process's pipeline,
+    keyed by pipeline ranks."""
+    me = dist.get_rank()
+    mine: dict[Link, dist.ProcessGroup] = {}
+    for ranks in pipelines:
+        for a, b in ring_links(len(ranks)):
+            group = dist.new_group(sorted((ranks[a], ranks[b])))
+            if me in ranks:
+                mine[(a, b)] = group
+    return mine
+
+
+class P2P:
+    """Posts non-blocking sends and receives between the ranks of one pipeline, each directed
+    link on its own process group (see [Note: transfer streams] in streams.py).
+
+    ``group`` is the pp process group (``None``: the default group); ``links`` maps each
+    directed link (pipeline ranks) to its group, from :func:`link_groups`. Peers are pipeline
+    ranks, translated to global ranks once, here.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, links: dict[Link, dist.ProcessGroup]) -> None:
         self.group = group
         world = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(group)
         self._global = [dist.get_global_rank(world, r) for r in range(dist.get_world_size(group))]
+        self.links = links
 
     def global_rank(self, peer: int) -> int:
         return self._global[peer]
 
-    def post(self, transfers: Sequence[Transfer]) -> list[Handle]:
-        """Posts every transfer in one ``batch_isend_irecv``, in order; one handle each.
+    def link(self, send: bool, peer: int) -> dist.ProcessGroup:
+        key = (self.rank, peer) if send else (peer, self.rank)
+        try:
+            return self.links[key]
+        except KeyError:
+            raise ConfigError(f"no process group for the link from pipeline rank {key[0]} to {key[1]}; "
+                              f"build the links with autopipe.runtime.p2p.link_groups") from None
 
-        See [Note: coalesced transfers]: on backends that coalesce (NCCL) the batch completes
-        as one, so every handle holds all its works; gloo returns one work per tensor.
-        """
-        ops = [
-            dist.P2POp(dist.isend if t.send else dist.irecv, x, self._global[t.peer], self.group)
-            for t in transfers
-            for x in t.tensors
-        ]
-        works = dist.batch_isend_irecv(ops) if ops else []
-        if len(works) != len(ops):
-            return [Handle(works, t) for t in transfers]
-        handles, at = [], 0
+    def post(self, transfers: Sequence[Transfer]) -> list[Handle]:
+        """Posts every transfer, in order, each tensor as one isend/irecv on its link; one
+        handle per transfer."""
+        handles = []
         for t in transfers:
-            handles.append(Handle(works[at : at + len(t.tensors)], t))
-            at += len(t.tensors)
+            op, group, peer = dist.isend if t.send else dist.irecv, self.link(t.send, t.peer), self._global[t.peer]
+            handles.append(Handle([op(x, peer, group=group) for x in t.tensors], t))
         return handles
+
+    def connect(self, links: Sequence[Link], device: torch.device, wait: Callable[[list, str], None]) -> None:
+        """Brings up ``links`` (those this rank's schedule uses; every rank passes the ones it
+        shares with its peers) by one small message each, in one global order: NCCL creates a
+        link's communicator at its first message and blocks both ends until the other arrives,
+        so first messages in schedule order could wait on each other across links."""
+        probe = torch.zeros(1, device=device)
+        for a, b in sorted(links):
+            if self.rank not in (a, b):
+                continue
+            send = self.rank == a
+            peer = b if send else a
+            work = (dist.isend if send else dist.irecv)(probe, self._global[peer], group=self.link(send, peer))
+            wait([work], f"start-up message on the link from pipeline rank {a} to {b}")
 
 
 class BufferPool:
@@ -153,13 +198,3 @@ class BufferPool:
         if z is None:
             z = self._zeros[key] = torch.zeros(key[0], dtype=spec.dtype, device=self.device)
         return z
-
-
-# [Note: coalesced transfers]
-# All transfers between two consecutive computes of a rank are posted in one
-# batch_isend_irecv. On NCCL the two directions between a pair of ranks share one stream, so in
-# 1F1B's steady state "send activation, then receive gradient" on one rank and "send gradient,
-# then receive activation" on its neighbour would wait on each other if posted as separate
-# operations; in one group NCCL progresses them together (what Megatron's
-# send_forward_recv_backward and torch's Schedule1F1B do). Order inside the batch follows the
-# schedule, which keeps per-pair FIFO order matched (see schedule.py's [Note: transfer order]).

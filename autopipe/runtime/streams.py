@@ -1,0 +1,149 @@
+"""When a rank posts its transfers, and a model of the streams they run on that proves the
+posting order cannot deadlock.
+
+Plain data, no torch and no processes, like :mod:`.schedule`: the driver posts transfers in
+:func:`posting_order`, and :func:`stream_deadlock` replays every rank's posting order under the
+rules below.
+
+[Note: transfer streams]
+On GPUs a transfer does not wait on the host: the driver posts every send and receive at once,
+and the backend runs them on its own CUDA stream, after the compute already queued on the rank
+(a send's data must be ready, a receive's buffer free). Consumers wait for a receive on the
+compute stream. A large NCCL message moves only while both ends run: its send cannot finish
+before the matching receive has started, and everything queued behind it on the same stream
+waits with it. With every transfer of a rank on one stream (a pipeline group's one
+communicator), a send held up by a busy peer blocks the receives queued behind it, and in
+1F1B's steady state two neighbours' sends each wait for a receive the other has queued behind
+its own send. Grouping each step's transfers into one ``batch_isend_irecv`` hides that for
+1F1B, but interleaved schedules with pp = 2 carry activations and gradients both ways between
+the same two ranks, and their groups form cycles: on two H200s, interleaved 1F1B with 8
+chunks and 4 micro-batches stopped until NCCL's watchdog fired.
+
+So every directed link (sending pipeline rank, receiving pipeline rank) gets a two-rank process
+group of its own (:func:`autopipe.runtime.p2p.link_groups`), hence its own communicator and
+stream, and carries messages one way only. A send then holds up only later sends on the same
+link, which are matched in the same FIFO order anyway. Under the strictest rule (no message
+moves before both ends have started it, and no buffering) :func:`stream_deadlock` finds no
+deadlock for any schedule here (tests/test_streams.py checks pp 2-8, every chunk count and
+micro-batch count up to 16), while the one-stream layout deadlocks already for 1F1B.
+
+Receives are posted ``lead`` computes before their consumer (one by default): the backend may
+start a receive only once the compute queued before it is done, so a receive posted right
+before its consumer could not overlap the compute before that one.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Sequence
+
+from autopipe.runtime.schedule import Action, ActionKind
+
+__all__ = ["posting_order", "stream_deadlock", "RECEIVE_LEAD"]
+
+RECEIVE_LEAD = 1  # computes by which a receive is posted ahead of its consumer
+
+_COMPUTE = (ActionKind.FORWARD, ActionKind.BACKWARD)
+_SENDS = (ActionKind.SEND_ACT, ActionKind.SEND_GRAD)
+
+
+def posting_order(actions: Sequence[Action], lead: int = RECEIVE_LEAD) -> list[Action]:
+    """``actions`` (one rank's, from :func:`~autopipe.runtime.schedule.rank_actions`) with every
+    receive moved ``lead`` computes earlier (not before the first); everything else, and the
+    order of the receives among themselves, unchanged."""
+    if lead < 0:
+        raise ValueError(f"lead must be >= 0, got {lead}")
+    keyed, computes = [], 0
+    for i, a in enumerate(actions):
+        if a.kind in _COMPUTE:
+            keyed.append((2 * computes + 1, i, a))
+            computes += 1
+        elif a.kind in _SENDS:
+            keyed.append((2 * computes, i, a))
+        else:
+            keyed.append((2 * max(0, computes - lead), i, a))
+    return [a for *_, a in sorted(keyed, key=lambda k: k[:2])]
+
+
+def _peer(a: Action, pp: int) -> int:
+    ahead = a.kind in (ActionKind.SEND_ACT, ActionKind.RECV_GRAD)
+    return (a.stage + (1 if ahead else -1)) % pp
+
+
+def stream_deadlock(orders: Sequence[Sequence[Action]], pp: int, *, one_stream: bool = False) -> list[str]:
+    """Replays every rank's posting order on streams; returns the blocked actions (none: no
+    deadlock). See [Note: transfer streams] for the rules.
+
+    Per rank: computes run in order, each after the receive it consumes; a transfer runs on its
+    link's stream (or, with ``one_stream``, on one stream for all of the rank's transfers), in
+    posting order, after every compute posted before it. The k-th send on a link finishes
+    together with the k-th receive, once both have started.
+    """
+    stream_of: dict[tuple[int, int], tuple] = {}
+    partner: dict[tuple[int, int], tuple[int, int]] = {}
+    consumer_recv: dict[tuple[int, ActionKind, int, int], tuple[int, int]] = {}
+    queued: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)  # link -> sends in order
+    for r, order in enumerate(orders):
+        for i, a in enumerate(order):
+            if a.kind in _COMPUTE:
+                stream_of[(r, i)] = ("compute", r)
+                continue
+            link = (r, _peer(a, pp)) if a.kind in _SENDS else (_peer(a, pp), r)
+            stream_of[(r, i)] = ("transfers", r) if one_stream else ("link", r, link)
+            if a.kind in _SENDS:
+                queued[link].append((r, i))
+            else:
+                kind = ActionKind.FORWARD if a.kind is ActionKind.RECV_ACT else ActionKind.BACKWARD
+                consumer_recv[(r, kind, a.stage, a.microbatch)] = (r, i)
+    taken: dict[tuple[int, int], int] = defaultdict(int)
+    for r, order in enumerate(orders):
+        for i, a in enumerate(order):
+            if a.kind not in _COMPUTE and a.kind not in _SENDS:
+                link = (_peer(a, pp), r)
+                if taken[link] < len(queued[link]):
+                    send = queued[link][taken[link]]
+                    partner[(r, i)], partner[send] = send, (r, i)
+                taken[link] += 1
+
+    # Before each op: the op queued before it on its stream, and (transfers) the computes before it.
+    before: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for r, order in enumerate(orders):
+        last: dict[tuple, tuple[int, int]] = {}
+        last_compute = None
+        for i, a in enumerate(order):
+            op, stream = (r, i), stream_of[(r, i)]
+            deps = [last[stream]] if stream in last else []
+            if a.kind in _COMPUTE:
+                recv = consumer_recv.get((r, a.kind, a.stage, a.microbatch))
+                deps += [recv] if recv is not None else []
+                last_compute = op
+            elif last_compute is not None:
+                deps.append(last_compute)
+            before[op] = deps
+            last[stream] = op
+
+    waiting = {op: len(deps) for op, deps in before.items()}
+    dependents: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
+    for op, deps in before.items():
+        for d in deps:
+            dependents[d].append(op)
+    started: set[tuple[int, int]] = set()
+    done: set[tuple[int, int]] = set()
+    ready = [op for op, n in waiting.items() if n == 0]
+    while ready:
+        op = ready.pop()
+        started.add(op)
+        r, i = op
+        finished = [op] if orders[r][i].kind in _COMPUTE else \
+            [op, partner[op]] if partner.get(op) in started else []
+        for f in finished:
+            done.add(f)
+            for nxt in dependents[f]:
+                waiting[nxt] -= 1
+                if waiting[nxt] == 0:
+                    ready.append(nxt)
+    blocked = []
+    for r, order in enumerate(orders):
+        first = next((i for i, _ in enumerate(order) if (r, i) not in done), None)
+        if first is not None:
+            blocked.append(f"rank {r} blocked at {order[first]}")
+    return blocked

@@ -1,0 +1,68 @@
+"""Posting order and the stream model of [Note: transfer streams]: no schedule can deadlock on
+per-link streams, while one stream per rank deadlocks (so the model can tell)."""
+from __future__ import annotations
+
+import pytest
+
+from autopipe.errors import ScheduleError
+from autopipe.runtime.schedule import SCHEDULES, ActionKind, all_rank_actions
+from autopipe.runtime.streams import posting_order, stream_deadlock
+
+COMPUTE = (ActionKind.FORWARD, ActionKind.BACKWARD)
+RECEIVES = (ActionKind.RECV_ACT, ActionKind.RECV_GRAD)
+
+
+def _configs():
+    for schedule in SCHEDULES:
+        for pp in (2, 3, 4, 8):
+            for chunks in (1,) if schedule == "1f1b" else (1, 2, 3, 4, 8):
+                for m in (1, 2, 3, 4, 5, 6, 8, 9, 12, 16):
+                    try:
+                        yield schedule, pp, m, chunks, all_rank_actions(schedule, pp, m, chunks)
+                    except ScheduleError:
+                        continue
+
+
+def test_receives_move_one_compute_ahead_and_nothing_else_moves():
+    actions = all_rank_actions("1f1b", 2, 4, 1)[1]
+    order = posting_order(actions)
+    assert sorted(map(str, order)) == sorted(map(str, actions))
+    assert [a for a in order if a.kind not in RECEIVES] == [a for a in actions if a.kind not in RECEIVES]
+    assert [a for a in order if a.kind in RECEIVES] == [a for a in actions if a.kind in RECEIVES]
+    computes = [a for a in actions if a.kind in COMPUTE]
+    for a in order:
+        if a.kind in RECEIVES:
+            consumer = ActionKind.FORWARD if a.kind is ActionKind.RECV_ACT else ActionKind.BACKWARD
+            c = next(i for i, x in enumerate(computes) if (x.kind, x.stage, x.microbatch) ==
+                     (consumer, a.stage, a.microbatch))
+            # Posted after exactly max(0, c - 1) computes.
+            assert sum(x.kind in COMPUTE for x in order[: order.index(a)]) == max(0, c - 1)
+    assert posting_order(actions, lead=0) == actions
+    with pytest.raises(ValueError, match="lead"):
+        posting_order(actions, lead=-1)
+
+
+def test_no_schedule_deadlocks_on_per_link_streams():
+    checked = 0
+    for schedule, pp, m, chunks, actions in _configs():
+        for lead in (0, 1):
+            blocked = stream_deadlock([posting_order(a, lead) for a in actions], pp)
+            assert blocked == [], (schedule, pp, m, chunks, lead, blocked)
+            checked += 1
+    assert checked > 500
+
+
+@pytest.mark.parametrize("schedule,pp,m,chunks", [("1f1b", 2, 4, 1), ("1f1b", 4, 8, 1),
+                                                  ("interleaved_1f1b", 2, 4, 8)])
+def test_one_stream_per_rank_deadlocks(schedule, pp, m, chunks):
+    actions = all_rank_actions(schedule, pp, m, chunks)
+    blocked = stream_deadlock([posting_order(a, 0) for a in actions], pp, one_stream=True)
+    assert len(blocked) == pp and all("SEND" in b for b in blocked)
+
+
+def test_a_receive_without_its_send_blocks():
+    actions = all_rank_actions("gpipe", 2, 2, 1)
+    sender = [a for a in actions[0] if a.kind is not ActionKind.SEND_ACT or a.microbatch == 0]
+    # Rank 1 never gets micro-batch 1, so rank 0 never gets the gradient of micro-batch 0.
+    assert stream_deadlock([sender, actions[1]], 2) == ["rank 0 blocked at RECV_GRAD s0 mb0",
+                                                       "rank 1 blocked at RECV_ACT s1 mb1"]
