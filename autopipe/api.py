@@ -102,6 +102,12 @@ def parallelize(
     if world > 1 and not dist.is_initialized():
         raise ConfigError("torch.distributed is not initialised; launch with torchrun and call "
                           "torch.distributed.init_process_group() first")
+    if compile_stages and tp > 1 and device.type == "cuda" and dist.is_initialized() and dist.get_backend() == "gloo":
+        # Measured on torch 2.11: gradients through gloo's CUDA all-reduce come out as zeros in
+        # compiled backward passes. NCCL (and gloo on CPU tensors) compile correctly.
+        raise ConfigError(f"compile_stages=True with tp={tp} on CUDA needs the NCCL backend, not gloo "
+                          "(gloo's CUDA collectives are wrong inside compiled backward passes); "
+                          "init_process_group('nccl'), or compile_stages=False")
 
     # 2. Trace.
     traced = trace(model, tuple(example_inputs), leaf_modules=leaf_modules, exec_sequence=exec_sequence)

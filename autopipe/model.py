@@ -85,12 +85,12 @@ def _running_stats_kept(stage: nn.Module) -> Iterator[None]:
 # [Note: compiled stages]
 # ``compile_stages=True`` hands each stage's generated ``forward`` to ``torch.compile`` (inductor,
 # static shapes: the plan fixes them). Inductor fuses what runs between the GEMMs, forward and
-# backward: norms, activations, bias and residual adds, dtype casts; on one H200, ViT-L in 4
-# micro-batches of 64 went from 889 to 1100 samples/s (benchmarks/microbatch_efficiency.py).
+# backward: norms, activations, bias and residual adds, dtype casts; on one H100, ViT-L in 4
+# micro-batches of 64 went from 831 to 1036 samples/s (benchmarks/microbatch_efficiency.py).
 # The weight-cast linears (autograd Functions) are compiled with the rest; autocast is entered
 # outside, around the compiled call, and dynamo guards on it. Tensor-parallel collectives are
-# not traced (see ``fx_leaf`` in shard/collectives.py): the stage compiles as the regions between
-# them. With ``cuda_graphs`` the compiled code is what is captured: compilation happens in the
+# traced too (see [Note: traceable collectives] in shard/collectives.py): a stage is one graph.
+# With ``cuda_graphs`` the compiled code is what is captured: compilation happens in the
 # capture's warm-up passes. The first train step pays the compilation, and the first eval step
 # another (no_grad is a different graph), every rank compiling its stages at once before the
 # schedule starts (see [Note: stage warm-up] in runtime/warmup.py); every stage has its own
@@ -143,7 +143,7 @@ class StageRuntime:
             pp_group=self.mesh.pp_group, schedule=self.schedule, microbatches=plan.microbatches,
             loss_fn=self._scaled_loss, postprocess=self.traced.unflatten_output, device=self.mesh.device,
             timeline=self.timeline, input_specs=input_specs, deadline=self.deadline, cuda_graphs=self.cuda_graphs,
-            warm_up_stages=self.compile_stages,
+            warm_up_stages=self.compile_stages, links=self.mesh.links,
         )
 
     def _scaled_loss(self, output: Any, target: Any) -> torch.Tensor:

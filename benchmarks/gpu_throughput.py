@@ -458,20 +458,24 @@ def suite(bench: Bench, which: str) -> None:
                                              graphs=True))
         # Compiled stages (inductor; [Note: compiled stages]), beside torch.compile'd baselines.
         check(2, 1, "interleaved_1f1b", 2, graphs=True, compiled=True)
+        check(1, 2, "1f1b", 1, compiled=True)
         check(1, 2, "1f1b", 1, sp=True, compiled=True)
         run(f"autopipe pp=2 interleaved graphs compiled chunks=4 m={m // 2}", B, 2,
             lambda: bench.autopipe(B, pp=2, tp=1, m=m // 2, schedule="interleaved_1f1b", chunks=4, graphs=True,
                                    compiled=True))
         run(f"autopipe pp=2 1f1b graphs compiled m={m}", B, 2,
             lambda: bench.autopipe(B, pp=2, tp=1, m=m, schedule="1f1b", graphs=True, compiled=True))
+        run("autopipe tp=2 compiled", Btp, 2,
+            lambda: bench.autopipe(Btp, pp=1, tp=2, m=1, schedule="1f1b", compiled=True))
         run("autopipe tp=2 sequence parallel compiled", Btp, 2,
             lambda: bench.autopipe(Btp, pp=1, tp=2, m=1, schedule="1f1b", sequence_parallel=True, compiled=True))
         run("one GPU compiled", B, 1, lambda: bench.single(B, compiled=True))
         for sched, chunks in (("1f1b", 1), ("interleaved_1f1b", 2)):
             run(f"torch pipelining pp=2 {sched} compiled", B, 2,
                 lambda s=sched, c=chunks: bench.torch_pipeline(B, pp=2, m=m, schedule=s, chunks=c, compiled=True))
-        # Last: on 2 x H200 (2026-11-23) this one stopped in a coalesced send/recv until NCCL's
-        # watchdog aborted both ranks (docs/benchmarks.md); it runs on CPU over gloo.
+        # On 2 x H200 (2026-11-23), when a rank's transfers shared one NCCL stream, this one stopped
+        # in a coalesced send/recv until NCCL's watchdog aborted both ranks; links now have streams
+        # of their own ([Note: transfer streams] in autopipe/runtime/streams.py). Still run last.
         run(f"autopipe pp=2 interleaved graphs chunks=8 m={m // 2}", B, 2,
             lambda: bench.autopipe(B, pp=2, tp=1, m=m // 2, schedule="interleaved_1f1b", chunks=8, graphs=True))
     else:

@@ -7,6 +7,7 @@ the identity, which is what a planning graph (no processes, meta device) runs.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -19,6 +20,7 @@ from ..errors import ConfigError
 __all__ = [
     "COLLECTIVES",
     "DIM_COLLECTIVES",
+    "TPGroup",
     "register_group",
     "resolve_group",
     "copy_to_tp",
@@ -30,15 +32,27 @@ __all__ = [
     "reduce_sequence_parallel_grads",
 ]
 
-_GROUPS: dict[str, Any] = {}
+@dataclass(frozen=True)
+class TPGroup:
+    """What the collectives need of a tensor-parallel process group, as plain values: a compiled
+    stage reads them as constants (see [Note: traceable collectives])."""
+
+    name: str  # the process group's own name, which functional collectives look it up by
+    size: int
+    rank: int
+    gloo: bool  # gloo has no reduce-scatter, nor an all-gather into one tensor for CUDA tensors
+
+
+_GROUPS: dict[str, TPGroup] = {}
 
 
 def register_group(name: str, group: Any) -> None:
     """Make ``name`` resolve to ``group`` (a ProcessGroup, or ``dist.group.WORLD``) in this process."""
-    _GROUPS[name] = group
+    _GROUPS[name] = TPGroup(group.group_name, dist.get_world_size(group), dist.get_rank(group),
+                            dist.get_backend(group) == "gloo")
 
 
-def resolve_group(name: str | None) -> Any:
+def resolve_group(name: str | None) -> TPGroup | None:
     """The group registered under ``name``; ``None`` for an unset name (collectives are identity)."""
     if name is None:
         return None
@@ -51,22 +65,41 @@ def resolve_group(name: str | None) -> Any:
         ) from None
 
 
-def _world(group: Any) -> int:
-    return dist.get_world_size(group)
+# [Note: traceable collectives]
+# The collectives are functional (``torch.ops._c10d_functional``: a new output, then
+# ``wait_tensor``), and everything they read of their group is a plain value (TPGroup), so
+# torch.compile traces a tensor-parallel stage as one graph, custom backwards included, and
+# inductor may move the waits past independent work. Eagerly, ``wait_tensor`` makes the
+# current CUDA stream wait (NCCL) or blocks until done (gloo), as ``async_op=False`` would.
+_C10D = torch.ops._c10d_functional
 
 
-def _all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
-    # all_reduce works in place: reduce a private contiguous copy, never the caller's tensor.
-    out = x.contiguous().clone()
-    dist.all_reduce(out, group=group)
-    return out
+def _all_reduce(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
+    return _C10D.wait_tensor(_C10D.all_reduce(x.contiguous(), "sum", group.name))
+
+
+def _gather(x: torch.Tensor, dim: int, group: TPGroup) -> torch.Tensor:
+    if group.gloo:  # gloo's all-gather into one tensor fails on CUDA tensors: sum zero-padded slots
+        return _all_reduce(torch.cat([x if i == group.rank else torch.zeros_like(x)
+                                      for i in range(group.size)], dim=dim), group)
+    # Gathered along dim 0 (contiguous chunks, no copies), then laid out along ``dim``.
+    out = _C10D.wait_tensor(_C10D.all_gather_into_tensor(x.contiguous(), group.size, group.name))
+    return out if dim == 0 else torch.cat(out.chunk(group.size, dim=0), dim=dim)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group: TPGroup) -> torch.Tensor:
+    if group.gloo:  # gloo has no reduce-scatter: all-reduce, keep a slice
+        return _all_reduce(x, group).chunk(group.size, dim=dim)[group.rank].contiguous()
+    if dim != 0:
+        x = torch.cat(x.chunk(group.size, dim=dim), dim=0)
+    return _C10D.wait_tensor(_C10D.reduce_scatter_tensor(x.contiguous(), "sum", group.size, group.name))
 
 
 class _CopyToTP(torch.autograd.Function):
     """f: identity forward, all-reduce backward (a replicated input feeding a sharded region)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: TPGroup) -> torch.Tensor:
         ctx.group = group
         return x.view_as(x)
 
@@ -79,7 +112,7 @@ class _ReduceFromTP(torch.autograd.Function):
     """g: all-reduce forward, identity backward (partial sums leaving a sharded region)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: TPGroup) -> torch.Tensor:
         return _all_reduce(x, group)
 
     @staticmethod
@@ -87,42 +120,18 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-def _gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
-    if dim == 0 and dist.get_backend(group) == "nccl":  # the chunks of dim 0 are contiguous: no copies
-        out = torch.empty((_world(group) * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
-        return out
-    parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(_world(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
-
-
 class _GatherFromTP(torch.autograd.Function):
     """All-gather along ``dim`` forward; keep this rank's slice of the gradient backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
-        ctx.dim, ctx.rank, ctx.world = dim, dist.get_rank(group), _world(group)
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: TPGroup) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
         return _gather(x, dim, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return grad.chunk(ctx.world, dim=ctx.dim)[ctx.rank].contiguous(), None, None
-
-
-def _reduce_scatter(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
-    world, rank = _world(group), dist.get_rank(group)
-    if dist.get_backend(group) == "gloo":  # gloo has no reduce-scatter: all-reduce, keep a slice
-        return _all_reduce(x, group).chunk(world, dim=dim)[rank].contiguous()
-    if dim == 0:
-        x = x.contiguous()
-        out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
-        dist.reduce_scatter_tensor(out, x, group=group)
-        return out
-    parts = [p.contiguous() for p in x.chunk(world, dim=dim)]
-    out = torch.empty_like(parts[rank])
-    dist.reduce_scatter(out, parts, group=group)
-    return out
+        g = ctx.group
+        return grad.chunk(g.size, dim=ctx.dim)[g.rank].contiguous(), None, None
 
 
 class _ReduceScatterTP(torch.autograd.Function):
@@ -130,7 +139,7 @@ class _ReduceScatterTP(torch.autograd.Function):
     forward, all-gather backward (see [Note: sequence parallelism] in layout.py)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: TPGroup) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
         return _reduce_scatter(x, dim, group)
 
@@ -144,7 +153,7 @@ class _AllGatherTP(torch.autograd.Function):
     holds a partial gradient of the whole tensor: reduce-scatter."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: TPGroup) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
         return _gather(x, dim, group)
 
@@ -158,9 +167,9 @@ class _SplitToTP(torch.autograd.Function):
     heads): keep this rank's slice forward, all-gather the slices' gradients backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: TPGroup) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
-        return x.chunk(_world(group), dim=dim)[dist.get_rank(group)].contiguous()
+        return x.chunk(group.size, dim=dim)[group.rank].contiguous()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
@@ -172,11 +181,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def fx_leaf(fn: F) -> F:
     """Keep ``fn`` one call_function node when a graph is traced again (GraphModule unpickling
-    re-traces its code symbolically): with a Proxy argument, record the call, do not run it.
-
-    ``torch.compile`` does not trace into it either (compiled stages run each collective
-    eagerly between compiled regions): on the fake tensors it traces with, the collective
-    would take itself for a planning graph's and become the identity."""
+    re-traces its code symbolically): with a Proxy argument, record the call, do not run it."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -185,18 +190,19 @@ def fx_leaf(fn: F) -> F:
             return proxy.tracer.create_proxy("call_function", wrapper, args, kwargs)
         return fn(*args, **kwargs)
 
-    return torch.compiler.disable(wrapper)  # type: ignore[return-value]
+    return wrapper  # type: ignore[return-value]
 
 
 def _shapes_only(x: torch.Tensor) -> bool:
-    # Shape propagation runs the graph on fake or meta tensors: nothing to communicate.
-    return x.device.type == "meta" or is_fake(x)
+    # Shape propagation runs the graph on fake or meta tensors: nothing to communicate. The
+    # fake tensors torch.compile traces with are the exception: it traces the collectives.
+    return not torch.compiler.is_compiling() and (x.device.type == "meta" or is_fake(x))
 
 
 @fx_leaf
 def copy_to_tp(x: torch.Tensor, group_name: str | None = None) -> torch.Tensor:
     group = None if _shapes_only(x) else resolve_group(group_name)
-    if group is None or _world(group) == 1:
+    if group is None or group.size == 1:
         return x
     return _CopyToTP.apply(x, group)
 
@@ -204,7 +210,7 @@ def copy_to_tp(x: torch.Tensor, group_name: str | None = None) -> torch.Tensor:
 @fx_leaf
 def reduce_from_tp(x: torch.Tensor, group_name: str | None = None) -> torch.Tensor:
     group = None if _shapes_only(x) else resolve_group(group_name)
-    if group is None or _world(group) == 1:
+    if group is None or group.size == 1:
         return x
     return _ReduceFromTP.apply(x, group)
 
@@ -217,7 +223,7 @@ def gather_from_tp(x: torch.Tensor, dim: int, group_name: str | None = None, tp:
     group = None if _shapes_only(x) else resolve_group(group_name)
     if group is None:
         return torch.cat([x] * tp, dim=dim) if tp > 1 else x
-    if _world(group) == 1:
+    if group.size == 1:
         return x
     return _GatherFromTP.apply(x, dim, group)
 
@@ -232,7 +238,7 @@ def _split_collective(fn: Callable[..., Any], op: type, shapes_only: Callable[[t
         group = None if _shapes_only(x) else resolve_group(group_name)
         if group is None:
             return shapes_only(x, dim, tp) if tp > 1 else x
-        if _world(group) == 1:
+        if group.size == 1:
             return x
         return op.apply(x, dim, group)
 
@@ -278,6 +284,6 @@ def reduce_sequence_parallel_grads(named_parameters: Any, plan: Any, group: Any)
     from ..training import sum_gradients
 
     wanted = set(getattr(plan, "sequence_parallel_params", ()))
-    if not wanted or group is None or _world(group) == 1:
+    if not wanted or group is None or dist.get_world_size(group) == 1:
         return
     sum_gradients([p for name, p in named_parameters if name in wanted], group)
