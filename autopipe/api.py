@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.torch_version import TorchVersion
 
 from .emit import emit_stages
 from .errors import ConfigError
@@ -93,6 +94,13 @@ def parallelize(
     if cuda_graphs and tp > 1:
         raise ConfigError(f"cuda_graphs=True with tp={tp}: stages holding tensor-parallel collectives are "
                           "not captured; use cuda_graphs=False, or tp=1")
+    if compile_stages and sequence_parallel and tp > 1 and TorchVersion(torch.__version__) < "2.14":
+        # Measured: torch 2.11 trains compiled sequence-parallel stages to wrong parameters (over
+        # gloo on CPU; 2.14 matches one process), while compiled tp without it is right.
+        raise ConfigError(f"compile_stages=True with sequence_parallel=True needs torch >= 2.14; torch "
+                          f"{torch.__version__} compiles the sequence-parallel collectives' gradients wrong. "
+                          "Upgrade torch, or pass sequence_parallel=False (compiled tensor parallelism "
+                          "without it is right) or compile_stages=False")
     world = dist.get_world_size() if dist.is_initialized() else 1
     dims = ParallelDims(pp, tp, world)
     _check(loss_fn, schedule, pp, chunks, microbatches, mixed_precision)
@@ -102,11 +110,15 @@ def parallelize(
     if world > 1 and not dist.is_initialized():
         raise ConfigError("torch.distributed is not initialised; launch with torchrun and call "
                           "torch.distributed.init_process_group() first")
-    if compile_stages and tp > 1 and device.type == "cuda" and dist.is_initialized() and dist.get_backend() == "gloo":
-        # Measured on torch 2.11: gradients through gloo's CUDA all-reduce come out as zeros in
-        # compiled backward passes. NCCL (and gloo on CPU tensors) compile correctly.
+    gloo_on_cuda = device.type == "cuda" and dist.is_initialized() and dist.get_backend() == "gloo"
+    if pp > 1 and gloo_on_cuda:
+        raise ConfigError(f"pp={pp} on CUDA needs the NCCL backend: gloo sends and receives CPU tensors "
+                          "only; init_process_group('nccl'), or device='cpu'")
+    if compile_stages and tp > 1 and gloo_on_cuda:
+        # Measured on torch 2.11: gradients through gloo's all-reduce of CUDA tensors came out as
+        # zeros in compiled backward passes. Gloo compiles right on CPU tensors (tests).
         raise ConfigError(f"compile_stages=True with tp={tp} on CUDA needs the NCCL backend, not gloo "
-                          "(gloo's CUDA collectives are wrong inside compiled backward passes); "
+                          "(gloo's CUDA collectives gave zero gradients in compiled backward passes); "
                           "init_process_group('nccl'), or compile_stages=False")
 
     # 2. Trace.

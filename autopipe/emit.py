@@ -17,7 +17,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from .errors import PartitionError
-from .graph import MODULE_KEY, value_of
+from .graph import MODULE_KEY, keep_buffer_persistence, value_of
 from .partition.mlp_pieces import split_mlps
 from .partition.plan import PartitionPlan
 from .tracer import TracedModel
@@ -111,6 +111,7 @@ def emit_stage(traced: TracedModel, plan: PartitionPlan, index: int) -> fx.Graph
         results = tuple(lookup(by_name[c.name]) for c in stage.outputs)
     graph.output(results)
     gm = fx.GraphModule(src, graph, class_name=f"Stage{index}")
+    keep_buffer_persistence(gm, src)
     # Sizes computed here for later stages only are baked there: drop them and their modules.
     gm.graph.eliminate_dead_code()
     gm.recompile()

@@ -34,6 +34,7 @@ __all__ = [
     "value_bytes",
     "is_tensor_node",
     "owning_module",
+    "keep_buffer_persistence",
 ]
 
 MODULE_KEY = "autopipe_module"
@@ -66,3 +67,28 @@ def is_tensor_node(node: fx.Node) -> bool:
 
 def owning_module(node: fx.Node) -> str:
     return node.meta.get(MODULE_KEY, "")
+
+
+def keep_buffer_persistence(gm: fx.GraphModule, source: torch.nn.Module) -> None:
+    """Make ``gm.state_dict()`` keys a subset of ``source``'s (the model, or the graph a stage
+    or a rewrite was built from), so that non-persistent buffers stay out of checkpoints.
+
+    ``fx.GraphModule`` registers every get_attr tensor it copies as a buffer, and torch 2.11
+    makes it persistent even where the source's is not (timm's Swin ``attn_mask``); undo that.
+    """
+    persistent = {f"{m}.{b}".lstrip(".") for m, mod in source.named_modules(remove_duplicate=False)
+                  for b in mod._buffers if b not in mod._non_persistent_buffers_set}
+    for n in gm.graph.nodes:
+        if n.op == "get_attr" and n.target not in persistent:
+            owner_path, _, field = n.target.rpartition(".")
+            owner = gm.get_submodule(owner_path)
+            shared = owner is _submodule(source, owner_path)  # a module of the source itself: untouched
+            if field in owner._buffers and not shared:
+                owner.register_buffer(field, owner._buffers[field], persistent=False)
+
+
+def _submodule(root: torch.nn.Module, path: str) -> Any:
+    obj: Any = root
+    for atom in path.split(".") if path else ():
+        obj = getattr(obj, atom, None)
+    return obj

@@ -158,6 +158,17 @@ def test_bad_input_is_typed_before_any_collective():
         autopipe.parallelize(model, (torch.randn(2, 3, 32, 32),), loss_fn=None)
 
 
+def _pipeline_on_cuda_over_gloo(rank, world):
+    with pytest.raises(ConfigError, match=r"pp=2 on CUDA needs the NCCL backend: gloo sends and receives CPU"):
+        autopipe.parallelize(_build("timm_vit", "sgd"), (torch.randn(2, 3, 32, 32),), pp=2, microbatches=2,
+                             loss_fn=_loss, device="cuda")
+    return True
+
+
+def test_a_pipeline_on_cuda_over_gloo_is_refused_before_any_collective():
+    assert run_distributed(_pipeline_on_cuda_over_gloo, 2) == [True, True]
+
+
 def test_single_process_train_step_and_errors():
     torch.manual_seed(0)
     model = MODELS["timm_vit"]().eval()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo
+from torch.torch_version import TorchVersion
 
 import autopipe
 import tests.test_api as api
@@ -36,8 +37,15 @@ def _train(rank, world, pp, tp, chunks, sequence_parallel):
     return losses, pm.full_state_dict(), pm.dp_size, (_compiled_graphs(), _graph_breaks())
 
 
-@pytest.mark.parametrize("pp,tp,chunks,sequence_parallel", [(2, 1, 2, False), (1, 2, 1, True), (1, 2, 1, False)],
-                         ids=["pp2-interleaved", "tp2-sequence-parallel", "tp2"])
+_OLD_TORCH = TorchVersion(torch.__version__) < "2.14"
+
+
+@pytest.mark.parametrize("pp,tp,chunks,sequence_parallel", [
+    (2, 1, 2, False),
+    pytest.param(1, 2, 1, True, marks=pytest.mark.skipif(
+        _OLD_TORCH, reason="refused before torch 2.14: test_compiled_sequence_parallel_stages_need_torch_2_14")),
+    (1, 2, 1, False),
+], ids=["pp2-interleaved", "tp2-sequence-parallel", "tp2"])
 def test_compiled_stages_train_like_one_process(pp, tp, chunks, sequence_parallel):
     results = run_distributed(_train, pp * tp, pp, tp, chunks, sequence_parallel, timeout=400)
     # Every stage compiled whole: one graph each, the tensor-parallel collectives traced inside
@@ -91,7 +99,7 @@ def test_warm_up_leaves_buffers_gradients_and_random_state_alone():
 def _refused_on_gloo_cuda(rank, world):
     from autopipe.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"compile_stages=True with tp=2 on CUDA needs the NCCL backend"):
+    with pytest.raises(ConfigError, match=r"compile_stages=True with tp=2 on CUDA needs the NCCL backend, not gloo"):
         autopipe.parallelize(api._build("timm_vit", "sgd"), (torch.randn(2, 3, 32, 32),), tp=2, microbatches=2,
                              loss_fn=api._loss, device="cuda", compile_stages=True)
     return True
@@ -99,3 +107,12 @@ def _refused_on_gloo_cuda(rank, world):
 
 def test_compiled_tensor_parallel_stages_on_cuda_over_gloo_are_refused():
     assert run_distributed(_refused_on_gloo_cuda, 2) == [True, True]
+
+
+def test_compiled_sequence_parallel_stages_need_torch_2_14(monkeypatch):
+    from autopipe.errors import ConfigError
+
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    with pytest.raises(ConfigError, match=r"sequence_parallel=True needs torch >= 2.14; torch 2.11.0\+cu130"):
+        autopipe.parallelize(api._build("timm_vit", "sgd"), (torch.randn(2, 3, 32, 32),), tp=2, microbatches=2,
+                             loss_fn=api._loss, sequence_parallel=True, compile_stages=True)

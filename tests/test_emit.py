@@ -57,6 +57,48 @@ def test_chained_stages_reproduce_outputs_and_gradients(name, pp, chunks):
     assert all(v == 1 for v in seen.values()), {k: v for k, v in seen.items() if v > 1}
 
 
+class _Masked(torch.nn.Module):
+    """A non-persistent buffer read in the middle of the graph, as timm's Swin ``attn_mask``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.register_buffer("mask", torch.arange(8.0), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)) * self.mask)
+
+
+def _copy_attr_as_torch_2_11(from_module, to_module, target):
+    """torch 2.11's fx.GraphModule: every tensor it copies becomes a persistent buffer."""
+    *prefix, field = target.split(".")
+    for item in prefix:
+        f, t = getattr(from_module, item), getattr(to_module, item, None)
+        if f is t:
+            return
+        if t is None:
+            t = torch.nn.Module()
+            setattr(to_module, item, t)
+        from_module, to_module = f, t
+    orig = getattr(from_module, field)
+    if isinstance(orig, torch.Tensor) and not isinstance(orig, torch.nn.Parameter):
+        to_module.register_buffer(field, orig)
+    else:
+        setattr(to_module, field, orig)
+
+
+def test_non_persistent_buffers_stay_out_of_stage_state(monkeypatch):
+    monkeypatch.setattr(torch.fx.graph_module, "_copy_attr", _copy_attr_as_torch_2_11)
+    model = _Masked()
+    x = torch.randn(4, 8)
+    traced = trace(model, (x,))
+    stages = emit_stages(traced, partition(traced, 2, device="cpu", split_mlps=False))
+    assert any("mask" in dict(st.named_buffers()) for st in stages.values())  # the stage does read it
+    for st in stages.values():
+        assert set(st.state_dict()) <= set(model.state_dict()), set(st.state_dict()) - set(model.state_dict())
+    torch.testing.assert_close(run_chain([stages[0], stages[1]], x)[0], model(x))
+
+
 def test_stage_boundaries_match_plan():
     model = MODELS["timm_vit"]().eval()
     x = image_batch(2)

@@ -41,7 +41,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ..errors import CheckpointError, PartitionError
-from ..graph import MODULE_KEY, value_of
+from ..graph import MODULE_KEY, keep_buffer_persistence, value_of
 from ..shard import ops
 from ..tracer import TracedModel
 
@@ -219,6 +219,7 @@ def split_mlps(traced: TracedModel, pieces: Pieces) -> TracedModel:
     if not wanted:
         return traced
     gm = fx.GraphModule(traced.gm, copy.deepcopy(traced.gm.graph), class_name=type(traced.gm).__name__)
+    keep_buffer_persistence(gm, traced.gm)
     gm.meta.update(traced.gm.meta)
     mlps = {m.fc1.target: m for m in find_mlps(gm)}
     graph = gm.graph

@@ -79,7 +79,7 @@ def _all_reduce(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
 
 
 def _gather(x: torch.Tensor, dim: int, group: TPGroup) -> torch.Tensor:
-    if group.gloo:  # gloo's all-gather into one tensor fails on CUDA tensors: sum zero-padded slots
+    if group.gloo and x.is_cuda:  # gloo's all-gather into one tensor fails on CUDA: sum zero-padded slots
         return _all_reduce(torch.cat([x if i == group.rank else torch.zeros_like(x)
                                       for i in range(group.size)], dim=dim), group)
     # Gathered along dim 0 (contiguous chunks, no copies), then laid out along ``dim``.

@@ -13,11 +13,11 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from ..errors import TraceError
-from ..graph import MODULE_KEY
+from ..graph import MODULE_KEY, keep_buffer_persistence
 from .export_leaves import fold_leaves, innermost_module, leaf_names, module_stack, outermost, within
 from .fx_route import LeafSpec
 
-__all__ = ["trace_export", "keep_buffer_persistence"]
+__all__ = ["trace_export"]
 
 _ASSERTS = {"_assert_tensor_metadata", "_assert_scalar", "_assert_async", "sym_constrain_range",
             "sym_constrain_range_for_size", "_functional_assert_async", "_functional_assert_scalar"}
@@ -173,22 +173,6 @@ def _graph_module(model: nn.Module, graph: fx.Graph, exported: fx.GraphModule) -
     gm.training = model.training  # not gm.train(): that would reset the shared leaves' own modes
     keep_buffer_persistence(gm, model)
     return gm
-
-
-def keep_buffer_persistence(gm: fx.GraphModule, model: nn.Module) -> None:
-    """Make ``gm.state_dict()`` keys a subset of the model's, whatever the route.
-
-    ``fx.GraphModule`` registers every get_attr tensor it copies as a persistent buffer (torch
-    2.11 even for the model's non-persistent ones, timm's ``attn_mask``); undo that.
-    """
-    persistent = {f"{m}.{b}".lstrip(".") for m, mod in model.named_modules(remove_duplicate=False)
-                  for b in mod._buffers if b not in mod._non_persistent_buffers_set}
-    for n in gm.graph.nodes:
-        if n.op == "get_attr" and n.target not in persistent:
-            owner_path, _, field = n.target.rpartition(".")
-            owner = gm.get_submodule(owner_path)
-            if field in owner._buffers and owner is not _resolve(model, owner_path):  # not a shared module
-                owner.register_buffer(field, owner._buffers[field], persistent=False)
 
 
 def trace_export(

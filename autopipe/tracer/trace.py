@@ -17,8 +17,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from ..errors import TraceError
-from ..graph import MODULE_KEY, value_of
-from .export_route import keep_buffer_persistence
+from ..graph import MODULE_KEY, keep_buffer_persistence, value_of
 from .fx_route import LeafSpec, trace_fx
 from .shapes import propagate_shapes
 
