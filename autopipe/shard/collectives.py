@@ -32,6 +32,7 @@ __all__ = [
     "reduce_sequence_parallel_grads",
 ]
 
+
 @dataclass(frozen=True)
 class TPGroup:
     """What the collectives need of a tensor-parallel process group, as plain values: a compiled
