@@ -35,6 +35,7 @@ __all__ = [
     "is_tensor_node",
     "owning_module",
     "keep_buffer_persistence",
+    "resolve_attr",
 ]
 
 MODULE_KEY = "autopipe_module"
@@ -82,13 +83,13 @@ def keep_buffer_persistence(gm: fx.GraphModule, source: torch.nn.Module) -> None
         if n.op == "get_attr" and n.target not in persistent:
             owner_path, _, field = n.target.rpartition(".")
             owner = gm.get_submodule(owner_path)
-            shared = owner is _submodule(source, owner_path)  # a module of the source itself: untouched
+            shared = owner is resolve_attr(source, owner_path)  # a module of the source itself: untouched
             if field in owner._buffers and not shared:
                 owner.register_buffer(field, owner._buffers[field], persistent=False)
 
 
-def _submodule(root: torch.nn.Module, path: str) -> Any:
-    obj: Any = root
+def resolve_attr(obj: Any, path: str) -> Any:
+    """The attribute at dotted ``path`` below ``obj`` (``obj`` for ""), or None where one is missing."""
     for atom in path.split(".") if path else ():
         obj = getattr(obj, atom, None)
     return obj

@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Sequence
 
-from autopipe.runtime.schedule import Action, ActionKind
+from autopipe.runtime.schedule import Action, ActionKind, _peer
 
 __all__ = ["posting_order", "stream_deadlock", "RECEIVE_LEAD"]
 
@@ -62,11 +62,6 @@ def posting_order(actions: Sequence[Action], lead: int = RECEIVE_LEAD) -> list[A
         else:
             keyed.append((2 * max(0, computes - lead), i, a))
     return [a for *_, a in sorted(keyed, key=lambda k: k[:2])]
-
-
-def _peer(a: Action, pp: int) -> int:
-    ahead = a.kind in (ActionKind.SEND_ACT, ActionKind.RECV_GRAD)
-    return (a.stage + (1 if ahead else -1)) % pp
 
 
 def stream_deadlock(orders: Sequence[Sequence[Action]], pp: int, *, one_stream: bool = False) -> list[str]:

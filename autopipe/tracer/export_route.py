@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from ..errors import TraceError
-from ..graph import MODULE_KEY, keep_buffer_persistence
+from ..graph import MODULE_KEY, keep_buffer_persistence, resolve_attr
 from .export_leaves import fold_leaves, innermost_module, leaf_names, module_stack, outermost, within
 from .fx_route import LeafSpec
 
@@ -149,12 +149,6 @@ def _check_modes(graph: fx.Graph, changed: set[str], leaves: set[str], failed: d
                          f"eval(), and one graph must serve both.{why} Fix: {fix}exec_sequence=[...].")
 
 
-def _resolve(obj: Any, target: str) -> Any:
-    for atom in target.split(".") if target else ():
-        obj = getattr(obj, atom, None)
-    return obj
-
-
 def _graph_module(model: nn.Module, graph: fx.Graph, exported: fx.GraphModule) -> fx.GraphModule:
     """``fx.GraphModule`` rooted at ``model``; tensors export made up become non-persistent buffers."""
     root = nn.Module()  # shares the model's children and tensors; the model itself is not touched
@@ -164,10 +158,10 @@ def _graph_module(model: nn.Module, graph: fx.Graph, exported: fx.GraphModule) -
         root.register_parameter(name, p)
     for name, b in model.named_buffers(recurse=False):
         root.register_buffer(name, b)
-    for i, n in enumerate(n for n in graph.nodes if n.op == "get_attr" and _resolve(root, n.target) is None):
-        value = _resolve(model, n.target)  # a plain tensor attribute, or a constant export lifted
+    for i, n in enumerate(n for n in graph.nodes if n.op == "get_attr" and resolve_attr(root, n.target) is None):
+        value = resolve_attr(model, n.target)  # a plain tensor attribute, or a constant export lifted
         if value is None:
-            value, n.target = _resolve(exported, n.target), f"_autopipe_constant_{i}"
+            value, n.target = resolve_attr(exported, n.target), f"_autopipe_constant_{i}"
         root.register_buffer(n.target, value, persistent=False)
     gm = fx.GraphModule(root, graph, class_name=type(model).__name__)
     gm.training = model.training  # not gm.train(): that would reset the shared leaves' own modes
