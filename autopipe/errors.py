@@ -15,6 +15,7 @@ __all__ = [
     "InputError",
     "PipelineFailure",
     "CheckpointError",
+    "ProfileError",
 ]
 
 
@@ -52,3 +53,8 @@ class PipelineFailure(AutopipeError, RuntimeError):
 
 class CheckpointError(AutopipeError, RuntimeError):
     """A checkpoint cannot be saved or loaded into this model."""
+
+
+class ProfileError(ConfigError):
+    """A measured cost profile cannot be made here, cannot be read, or was made for another
+    graph, input shape, dtype, execution mode or device."""

@@ -498,7 +498,7 @@ def test_get_profile_and_json():
     mine = DeviceProfile("mine", 1e12, 1e11, 1e11, 1e9, 1e-5, 1e-6)
     assert get_profile(mine) is mine
     assert DeviceProfile.from_json(mine.to_json()) == mine
-    assert mine.to_json()["schema_version"] == 1
+    assert mine.to_json()["schema_version"] == 2
     with pytest.raises(ConfigError, match="mem_bandwidth=0"):
         DeviceProfile("bad", 1e12, 1e11, 0, 1e9, 1e-5, 1e-6)
 

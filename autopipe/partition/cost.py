@@ -90,6 +90,11 @@ class NodeCost:
     out_bytes: int
     kind: str = "elementwise"
     parts: tuple[NodeCost, ...] = ()
+    # What a calibration table keys its efficiencies on (see partition/calibration.py):
+    # ``family`` is "gemm", "conv" or "" (other kernels); ``min_dim`` the smallest of a GEMM's
+    # M, N and K (a conv's implicit GEMM: output channels per group and C_in/groups x kernel).
+    family: str = ""
+    min_dim: int = 0
 
 
 @dataclass
@@ -131,6 +136,8 @@ class _Work:
     bwd_flops: float | None = None  # None: flops * _BWD_RATIO[kind] (1 if absent)
     saved: int = 0
     reads: float | None = None  # None: every activation and weight is read once
+    family: str = ""
+    min_dim: int = 0
 
 
 Rule = Callable[[_Op], _Work]
@@ -189,13 +196,18 @@ def _reduction(saves_input: bool) -> Rule:
     return rule
 
 
-def _contract(op: _Op, k: int) -> _Work:
-    return _Work("matmul", 2.0 * op.out_tensor.numel() * k, saved=op.floating_bytes())
+def _contract(op: _Op, k: int, *, batched: bool = False) -> _Work:
+    out = op.out_tensor
+    n = out.shape[-1] if out.dim() else 1
+    # A linear layer's rows are every leading dim; a batched product's only the second-last.
+    m = (out.shape[-2] if out.dim() > 1 else 1) if batched else out.numel() // max(n, 1)
+    return _Work("matmul", 2.0 * out.numel() * k, saved=op.floating_bytes(), family="gemm",
+                 min_dim=int(min(m, n, k)))
 
 
-def _matmul(first: int, *names: str) -> Rule:
+def _matmul(first: int, *names: str, batched: bool = False) -> Rule:
     # The output numel covers batch broadcasting and 1-D operands; k is the contracted size.
-    return lambda op: _contract(op, op.arg(first, *names).shape[-1])
+    return lambda op: _contract(op, op.arg(first, *names).shape[-1], batched=batched)
 
 
 def _linear_module(op: _Op) -> _Work:
@@ -219,7 +231,17 @@ def _conv(op: _Op) -> _Work:
         w = op.arg(1, "weight")
         transposed = op.name.startswith("conv_transpose") or (
             op.name in ("convolution", "_convolution") and bool(op.arg(6, "transposed")))
-    return _Work("matmul", _conv_flops(x, w, op.out_tensor, transposed), saved=op.floating_bytes())
+    # The implicit GEMM's N (output channels per group) and K (input channels per group x kernel).
+    per_group = w.shape[1] if transposed else w.shape[0] // max(_groups(op), 1)
+    return _Work("matmul", _conv_flops(x, w, op.out_tensor, transposed), saved=op.floating_bytes(),
+                 family="conv", min_dim=int(min(per_group, math.prod(w.shape[1:]))))
+
+
+def _groups(op: _Op) -> int:
+    if op.module is not None:
+        return int(op.module.groups)
+    index = {"convolution": 8, "_convolution": 8}.get(op.name, 6)
+    return int(op.arg(index, "groups", default=1) or 1)
 
 
 def _einsum_sizes(equation: str, operands: list[torch.Tensor]) -> dict[Any, int]:
@@ -242,7 +264,7 @@ def _einsum(op: _Op) -> _Work:
         return _DEFAULT(op)
     # Two operands: one multiply-add per combination of all indices (kept and contracted).
     macs = math.prod(_einsum_sizes(equation, operands).values())
-    return _Work("matmul", 2.0 * macs, saved=op.floating_bytes())
+    return _Work("matmul", 2.0 * macs, saved=op.floating_bytes(), family="gemm")
 
 
 def _sdpa(op: _Op) -> _Work:
@@ -352,8 +374,10 @@ NAMED_RULES: dict[str, Rule] = {
                     _maybe_copy),
     **dict.fromkeys(["cat", "concat", "concatenate", "stack", "clone", "copy", "_to_copy", "pad",
                      "constant_pad_nd", "repeat", "tile", "roll", "index_select", "flip"], _copy),
-    **dict.fromkeys(["linear", "matmul", "mm", "bmm"], _matmul(0, "input", "self")),
-    **dict.fromkeys(["addmm", "baddbmm"], _matmul(1, "mat1", "batch1")),
+    **dict.fromkeys(["linear", "mm"], _matmul(0, "input", "self")),
+    **dict.fromkeys(["matmul", "bmm"], _matmul(0, "input", "self", batched=True)),
+    "addmm": _matmul(1, "mat1"),
+    "baddbmm": _matmul(1, "batch1", batched=True),
     "einsum": _einsum,
     **dict.fromkeys(["conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
                      "conv_transpose3d", "convolution", "_convolution"], _conv),
@@ -495,8 +519,9 @@ def _assemble(op: _Op, work: _Work, params: list[nn.Parameter]) -> NodeCost:
     out_bytes = value_bytes(op.out)
     param_count = sum(p.numel() for p in params)
     param_bytes = sum(tensor_bytes(p) for p in params)
+    shape = dict(family=work.family, min_dim=work.min_dim)
     if work.kind in FREE_KINDS:
-        return NodeCost(0.0, 0.0, 0.0, 0.0, param_count, param_bytes, 0, out_bytes, work.kind)
+        return NodeCost(0.0, 0.0, 0.0, 0.0, param_count, param_bytes, 0, out_bytes, work.kind, **shape)
     reads = work.reads if work.reads is not None else sum(
         tensor_bytes(t) for t in op.activations + op.weights)
     # Gradients flow from a floating output to floating inputs or weights; comparisons,
@@ -505,11 +530,11 @@ def _assemble(op: _Op, work: _Work, params: list[nn.Parameter]) -> NodeCost:
         bool(op.weights) or any(t.is_floating_point() for t in op.activations))
     if not differentiable:
         return NodeCost(float(work.flops), 0.0, float(reads + out_bytes), 0.0,
-                        param_count, param_bytes, 0, out_bytes, work.kind)
+                        param_count, param_bytes, 0, out_bytes, work.kind, **shape)
     bwd_flops = work.bwd_flops if work.bwd_flops is not None else _BWD_RATIO.get(work.kind, 1.0) * work.flops
     return NodeCost(float(work.flops), float(bwd_flops), float(reads + out_bytes),
                     float(out_bytes + reads + work.saved), param_count, param_bytes,
-                    int(work.saved), out_bytes, work.kind)
+                    int(work.saved), out_bytes, work.kind, **shape)
 
 
 def _node_cost(gm: fx.GraphModule, node: fx.Node, params: list[nn.Parameter]) -> NodeCost:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -17,11 +17,16 @@ import torch.nn as nn
 from torch.fx.node import map_aggregate
 
 from autopipe.errors import ConfigError
+from autopipe.partition.calibration import Calibration, load_calibration
 from autopipe.partition.cost import FREE_KINDS, MATMUL_KINDS, NodeCost
 
-__all__ = ["DeviceProfile", "PROFILES", "get_profile", "measure_profile", "measure_node_times"]
+__all__ = ["DeviceProfile", "PROFILES", "EXECUTION_MODES", "get_profile", "measure_profile",
+           "measure_node_times"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# How stages run: eagerly, as CUDA graph replays, compiled by torch.compile (with or without
+# graphs). A calibrated profile prices launches by it; see [Note: calibrated roofline].
+EXECUTION_MODES = ("eager", "graphs", "compiled", "compiled+graphs")
 
 
 @dataclass(frozen=True)
@@ -34,9 +39,13 @@ class DeviceProfile:
     mem_bandwidth: float  # device memory bytes/s
     link_bandwidth: float  # bytes/s of one p2p send between pipeline neighbours
     link_latency: float  # seconds added to every send
-    op_overhead: float  # seconds per launched node (dispatch + kernel launch)
+    op_overhead: float  # seconds per launched node (dispatch + kernel launch), uncalibrated
+    mode: str = "eager"  # one of EXECUTION_MODES
+    calibration: Calibration | None = None  # fitted kernel efficiencies; see calibration.py
 
     def __post_init__(self) -> None:
+        if self.mode not in EXECUTION_MODES:
+            raise ConfigError(f"execution mode {self.mode!r} is not one of {', '.join(EXECUTION_MODES)}")
         rates = ("matmul_flops", "vector_flops", "mem_bandwidth", "link_bandwidth")
         bad = [f"{n}={getattr(self, n)!r}" for n in rates if not getattr(self, n) > 0]
         bad += [f"{n}={getattr(self, n)!r}" for n in ("link_latency", "op_overhead")
@@ -50,6 +59,8 @@ class DeviceProfile:
 
         Views and non-tensor nodes launch nothing and take 0 s. A composite module is the sum
         of its inner kernels, each on its own units ([Note: composite modules] in cost.py).
+        With a calibration, the roofline is scaled by the kernel's fitted factor and the launch
+        priced by the execution mode ([Note: calibrated roofline] in calibration.py).
         """
         if c.parts:
             return sum(self.node_time(p, backward=backward) for p in c.parts)
@@ -57,7 +68,15 @@ class DeviceProfile:
         if c.kind in FREE_KINDS or (flops == 0 and nbytes == 0):
             return 0.0
         peak = self.matmul_flops if c.kind in MATMUL_KINDS else self.vector_flops
-        return max(flops / peak, nbytes / self.mem_bandwidth) + self.op_overhead
+        roofline = max(flops / peak, nbytes / self.mem_bandwidth)
+        if self.calibration is None:
+            return roofline + self.op_overhead
+        gpu = self.calibration.gpu_time(roofline, c, backward=backward)
+        return max(gpu, self.calibration.host[int(backward)]) if self.mode == "eager" else gpu
+
+    def with_mode(self, mode: str) -> DeviceProfile:
+        """This profile for stages run in ``mode`` (one of EXECUTION_MODES)."""
+        return self if mode == self.mode else replace(self, mode=mode)
 
     def transfer_time(self, nbytes: float) -> float:
         """Seconds to send ``nbytes`` to a pipeline neighbour; 0 when nothing is sent."""
@@ -68,7 +87,10 @@ class DeviceProfile:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> DeviceProfile:
-        return cls(**{f.name: data[f.name] for f in fields(cls)})
+        values = {f.name: data[f.name] for f in fields(cls) if f.name in data}
+        if values.get("calibration") is not None:
+            values["calibration"] = Calibration.from_dict(values["calibration"])
+        return cls(**values)
 
 
 # Achievable rates, roughly what a well-fed large kernel reaches, not datasheet peaks:
@@ -81,13 +103,17 @@ class DeviceProfile:
 #   figure, not a measured one: replace it with a measurement of the real fabric
 #   (measure_profile cannot time a link, it needs a peer), and with a far lower one where
 #   neighbours talk over PCIe or across nodes (InfiniBand: ~25-50e9 B/s).
+# h100 and h200 carry the calibration fitted on that GPU where the project has one
+# (calibration/<name>.json; [Note: calibrated roofline]).
 PROFILES: dict[str, DeviceProfile] = {
     "cpu": DeviceProfile("cpu", matmul_flops=50e9, vector_flops=10e9, mem_bandwidth=10e9,
                          link_bandwidth=1e9, link_latency=50e-6, op_overhead=10e-6),
     "h100": DeviceProfile("h100", matmul_flops=600e12, vector_flops=50e12, mem_bandwidth=3.0e12,
-                          link_bandwidth=300e9, link_latency=10e-6, op_overhead=5e-6),
+                          link_bandwidth=300e9, link_latency=10e-6, op_overhead=5e-6,
+                          calibration=load_calibration("h100")),
     "h200": DeviceProfile("h200", matmul_flops=600e12, vector_flops=50e12, mem_bandwidth=4.3e12,
-                          link_bandwidth=300e9, link_latency=10e-6, op_overhead=5e-6),
+                          link_bandwidth=300e9, link_latency=10e-6, op_overhead=5e-6,
+                          calibration=load_calibration("h200")),
 }
 
 

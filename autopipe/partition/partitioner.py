@@ -23,10 +23,11 @@ from .cost import NodeCost, graph_costs, training_state_bytes
 from .dag import LinearDag, linearize
 from .device import DeviceProfile, get_profile
 from . import mlp_pieces as pieces
+from .measured import MeasuredCosts, fingerprint
 from .mlp_pieces import PIECES_META
 from .plan import CutTensor, PartitionPlan, StagePlan
 
-__all__ = ["partition", "BALANCE_MODES", "layer_groups"]
+__all__ = ["partition", "partition_at", "cut_candidates", "analytic_seconds", "BALANCE_MODES", "layer_groups"]
 
 BALANCE_MODES = ("cost", "params", "uniform")
 
@@ -187,8 +188,13 @@ def partition(
     model_name: str = "",
     activation_dtype: torch.dtype | None = None,
     split_mlps: bool = True,
+    measured: MeasuredCosts | None = None,
 ) -> PartitionPlan:
     """Cut ``traced`` into ``pp * chunks`` stages; ``balance`` is a mode or split-point modules.
+
+    ``measured`` prices the nodes by a profile timed on the device ([Note: measured costs]),
+    in place of the analytic model of ``device`` (which still prices the links); it must have
+    been made for this graph at these input shapes (a ProfileError says what differs).
 
     ``costs`` overrides the per-node costs (tensor parallelism passes its sharded costs here).
     ``activation_dtype`` is the dtype floating tensors cross stage boundaries in, when it is
@@ -204,14 +210,49 @@ def partition(
     if traced.gm.meta.get(PIECES_META):
         raise ConfigError("partition() takes the traced model before any MLP pieces were cut; "
                           "pass the traced model itself (the plan names the pieces it needs)")
+    node_seconds = _measured_seconds(traced, measured) if measured is not None else None
     args = dict(pp=pp, chunks=chunks, tp=tp, microbatches=microbatches, balance=balance, device=device,
                 schedule=schedule, mem_cap=mem_cap, optimizer=optimizer, model_name=model_name,
-                activation_dtype=activation_dtype)
-    plan = _partition(traced, costs=costs, **args)
+                activation_dtype=activation_dtype, measured=measured)
+    plan = _partition(traced, costs=costs, node_seconds=node_seconds, **args)
     if not (split_mlps and balance == "cost" and tp == 1 and costs is None
             and plan.imbalance > 1.0 + SPLIT_ABOVE):
         return plan
-    return _with_mlp_pieces(traced, plan, args)
+    return _with_mlp_pieces(traced, plan, args, node_seconds)
+
+
+def _measured_seconds(traced: TracedModel, measured: MeasuredCosts) -> dict[str, float]:
+    measured.check({"fingerprint": fingerprint(traced.gm),
+                    "input_shapes": [list(s) for s in traced.input_shapes]})
+    return dict(measured.node_seconds)
+
+
+def partition_at(traced: TracedModel, starts: Sequence[int], *, device: str | DeviceProfile = "h100",
+                 node_seconds: Mapping[str, float] | None = None, measured: MeasuredCosts | None = None,
+                 **kwargs) -> PartitionPlan:
+    """The plan whose stages start at the given positions of the node order (placeholders first,
+    the output node left out): what a profile's segments and a closed loop's re-cuts emit.
+    ``kwargs`` as for :func:`partition` (pp defaults to one stage per start, chunks to 1)."""
+    args = dict(pp=len(starts), chunks=1, tp=1, microbatches=1, balance="cost", schedule="1f1b",
+                mem_cap=None, optimizer="adamw", model_name="", activation_dtype=None)
+    args.update(kwargs)
+    if measured is not None:
+        node_seconds = _measured_seconds(traced, measured)
+    return _partition(traced, costs=None, device=device, node_seconds=node_seconds, measured=measured,
+                      starts=list(starts), **args)
+
+
+def cut_candidates(traced: TracedModel) -> list[bool]:
+    """``allowed[k]``: whether a stage boundary may fall after position k of the node order."""
+    nodes = [n for n in traced.gm.graph.nodes if n.op != "output"]
+    return _allowed_cuts(nodes, traced.gm)
+
+
+def analytic_seconds(traced: TracedModel, device: str | DeviceProfile) -> dict[str, float]:
+    """Forward + backward seconds of every node by the analytic model of ``device``."""
+    profile = get_profile(device)
+    return {name: profile.node_time(c) + profile.node_time(c, backward=True)
+            for name, c in graph_costs(traced.gm).items()}
 
 
 # [Note: when MLP pieces are tried]
@@ -227,13 +268,16 @@ GRANULE = 0.01
 SPLIT_GAIN = 0.002
 
 
-def _with_mlp_pieces(traced: TracedModel, plan: PartitionPlan, args: dict) -> PartitionPlan:
+def _with_mlp_pieces(traced: TracedModel, plan: PartitionPlan, args: dict,
+                     node_seconds: Mapping[str, float] | None) -> PartitionPlan:
     profile = get_profile(args["device"])
     costs = graph_costs(traced.gm)
     granule = GRANULE * sum(s.compute_time for s in plan.stages) / plan.num_stages
     traced_nodes = {n.name: n for n in traced.gm.graph.nodes}
 
     def seconds(node: fx.Node) -> float:
+        if node_seconds is not None and node.name in node_seconds:
+            return node_seconds[node.name]
         return profile.node_time(costs[node.name]) + profile.node_time(costs[node.name], backward=True)
 
     fine = {}
@@ -254,11 +298,21 @@ def _with_mlp_pieces(traced: TracedModel, plan: PartitionPlan, args: dict) -> Pa
         elif pieces.PIECE_OF in node.meta:
             whole, share = node.meta[pieces.PIECE_OF]
             ideal[node.name] = share * seconds(traced_nodes[whole])
-    fine_plan = _partition(fine_traced, costs=None, node_seconds=ideal, **args)
+    fine_plan = _partition(fine_traced, costs=None, node_seconds=ideal, **args)  # measured or not: ideal
     kept = pieces.coarse_pieces(fine, fine_plan.stage_of(), fine_traced.gm)
     if not kept:
         return plan
-    split = _partition(pieces.split_mlps(traced, kept), costs=None, **args)
+    split_traced = pieces.split_mlps(traced, kept)
+    split_seconds = None
+    if node_seconds is not None:  # a piece takes its share of the measured node; the rest as measured
+        split_seconds = {}
+        for node in split_traced.gm.graph.nodes:
+            if pieces.PIECE_OF in node.meta:
+                whole, share = node.meta[pieces.PIECE_OF]
+                split_seconds[node.name] = share * seconds(traced_nodes[whole])
+            elif node.name in node_seconds and not node.meta.get(pieces.PARTIAL_SUM):
+                split_seconds[node.name] = node_seconds[node.name]
+    split = _partition(split_traced, costs=None, node_seconds=split_seconds, **args)
     split.mlp_pieces = kept
     largest = max(s.cost for s in plan.stages)
     return split if max(s.cost for s in split.stages) < largest * (1.0 - SPLIT_GAIN) else plan
@@ -280,6 +334,8 @@ def _partition(
     model_name: str,
     activation_dtype: torch.dtype | None,
     node_seconds: Mapping[str, float] | None = None,
+    measured: MeasuredCosts | None = None,
+    starts: list[int] | None = None,
 ) -> PartitionPlan:
     n_stages = pp * chunks
     profile = get_profile(device)
@@ -291,9 +347,8 @@ def _partition(
     # In-flight micro-batches bound activation memory: m for GPipe, about pp for 1F1B.
     in_flight = microbatches if schedule == "gpipe" else min(microbatches, pp * chunks)
     order = [n.name for n in nodes]
-    compute = [profile.node_time(costs[n]) + profile.node_time(costs[n], backward=True) for n in order]
-    if node_seconds is not None:
-        compute = [node_seconds.get(n, t) for n, t in zip(order, compute)]
+    analytic = [profile.node_time(costs[n]) + profile.node_time(costs[n], backward=True) for n in order]
+    compute = analytic if node_seconds is None else [node_seconds.get(n, t) for n, t in zip(order, analytic)]
     if tp > 1:  # the tensor-parallel collectives the shard rewrite inserted
         for i, node in enumerate(nodes):
             compute[i] += tp_collective_seconds(node, costs[node.name], tp, profile)
@@ -329,7 +384,10 @@ def _partition(
             f"at most {sum(allowed) + 1} stages are possible; lower pp or chunks"
         )
 
-    if isinstance(balance, str):
+    if starts is not None:
+        balancer.check_starts(starts, len(order))
+        mode = balance if isinstance(balance, str) else "split_points:" + ",".join(balance)
+    elif isinstance(balance, str):
         if balance == "cost":
             starts = balancer.solve_overlapped(compute, n_stages, cut_time=cut_time, cut_latency=cut_latency,
                                                mem=mem, mem_cap=mem_cap, allowed_cuts=allowed)
@@ -348,9 +406,24 @@ def _partition(
         mode = "split_points:" + ",".join(balance)
 
     times = balancer.overlapped_stage_times(compute, starts, cut_time, cut_latency)
-    return _build_plan(traced, nodes, costs, times, dag, starts, state, profile, activation_dtype,
+    plan = _build_plan(traced, nodes, costs, times, dag, starts, state, profile, activation_dtype,
                        pp=pp, chunks=chunks, tp=tp, microbatches=microbatches, mode=mode,
                        schedule=schedule, in_flight=in_flight, model_name=model_name)
+    ends = list(starts[1:]) + [len(order)]
+    for stage, i, j in zip(plan.stages, starts, ends):
+        stage.analytic_time = float(sum(analytic[i:j]))
+    plan.cost_source = _cost_source(profile, measured)
+    return plan
+
+
+def _cost_source(profile: DeviceProfile, measured: MeasuredCosts | None) -> dict[str, object]:
+    """Which numbers priced a plan's compute (the plan's JSON carries it)."""
+    if measured is None:
+        return {"source": "analytic", "profile": profile.name, "mode": profile.mode,
+                "calibrated": profile.calibration is not None}
+    return {"source": "measured", "device": measured.device, "mode": measured.mode, "dtype": measured.dtype,
+            "fingerprint": measured.fingerprint, "torch_version": measured.torch_version,
+            "segments": len(measured.segments), "link_profile": profile.name}
 
 
 # [Note: communication in the stage cost]

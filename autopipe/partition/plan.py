@@ -11,7 +11,7 @@ from typing import Any
 
 __all__ = ["SCHEMA_VERSION", "CutTensor", "StagePlan", "PartitionPlan"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,8 @@ class StagePlan:
     outputs: list[CutTensor]
     cut_bytes: int  # bytes sent to the next stage, one micro-batch
     shardings: dict[str, str] = field(default_factory=dict)  # node -> sharding, when tp > 1
+    analytic_time: float = 0.0  # the analytic model's compute seconds, whatever priced the plan
+    measured_time: float | None = None  # the emitted stage timed alone on the device, when it was
 
 
 @dataclass
@@ -64,10 +66,24 @@ class PartitionPlan:
     # MLPs a stage boundary falls inside: fc1 -> {"fc2": name, "hidden": piece boundaries}
     # (see [Note: MLP pieces] in mlp_pieces.py); empty when every cut is between nodes.
     mlp_pieces: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # What priced the stages' compute: {"source": "analytic", "profile": ..., "mode": ...} or
+    # {"source": "measured", "device": ..., "mode": ..., ...}; see [Note: measured costs].
+    cost_source: dict[str, Any] = field(default_factory=dict)
+    # How the closed loop went (measure/closed_loop.py): one entry per round of timing.
+    refinement: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def num_stages(self) -> int:
         return len(self.stages)
+
+    @property
+    def measured_imbalance(self) -> float | None:
+        """Largest over mean of the stages' measured times; None unless every stage was timed."""
+        times = [s.measured_time for s in self.stages]
+        if not times or any(t is None for t in times):
+            return None
+        mean = sum(times) / len(times)
+        return max(times) / mean if mean > 0 else 1.0
 
     def stage_of(self) -> dict[str, int]:
         """Node name -> stage index."""

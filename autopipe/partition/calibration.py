@@ -1,0 +1,125 @@
+"""Kernel efficiencies fitted on a device: what turns the roofline into measured seconds.
+
+[Note: calibrated roofline]
+The plain roofline (``DeviceProfile.node_time`` without a calibration) prices every GEMM at
+one achievable rate and every memory-bound kernel at one bandwidth. Measured on an H100, that
+is 1.3-2.8x below the truth and wrong by different factors for different stages: ResNet-50's
+stem and layer1 (convolutions of 64 channels over 56x56 maps, batch norms over large maps)
+run far below the rates that ViT's 1024-wide GEMMs reach. A calibration keeps, per class of
+kernel, a factor that multiplies the roofline time, one for the forward and one for the
+backward pass:
+
+- GEMMs and convolutions by the smallest dimension of their (implicit) GEMM, in powers of two
+  (``gemm/64`` holds GEMMs whose smallest of M, N, K is in (32, 64]); a depthwise convolution
+  has N = 1 and lands in the first class;
+- attention kernels in one class;
+- memory-bound kernels (norms, elementwise, reductions, copies) by their kind and the bytes
+  they move, in factors of four from 256 KiB to 64 MiB (small kernels do not reach full
+  bandwidth).
+
+Two more numbers: the GPU time each launched kernel adds (its tail and the gap before the next,
+what CUDA graph replays still pay) and the host time each launched node costs in eager mode
+(Python, dispatch, launch; forward and autograd backward). In eager mode a node takes the
+longer of its GPU time and its host time, since the host runs ahead of the device where it can.
+
+The factors are fitted by ``benchmarks/calibrate_device.py`` from the measured forward and
+backward times of small segments of real models (non-negative least squares on relative
+error; see that script), and kept as data beside this module (``calibration/<device>.json``)
+with the fit's error on models it was not fitted on.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from autopipe.errors import ConfigError
+from autopipe.partition.cost import FREE_KINDS, MATMUL_KINDS, NodeCost
+
+__all__ = ["Calibration", "class_of", "load_calibration", "CALIBRATION_DIR", "DIM_BOUNDS", "BYTE_BOUNDS"]
+
+SCHEMA_VERSION = 1
+CALIBRATION_DIR = os.path.join(os.path.dirname(__file__), "calibration")
+DIM_BOUNDS = (16, 32, 64, 128, 256, 512, 1024)
+BYTE_BOUNDS = tuple(2**18 * 4**i for i in range(5))  # 256 KiB, 1 MiB, 4 MiB, 16 MiB, 64 MiB
+
+
+def _bucket(value: float, bounds: tuple[int, ...], label=str) -> str:
+    for b in bounds:
+        if value <= b:
+            return label(b)
+    return ">" + label(bounds[-1])
+
+
+def _bytes_label(b: int) -> str:
+    return f"{b >> 20}MiB" if b >= 2**20 else f"{b >> 10}KiB"
+
+
+def class_of(cost: NodeCost, *, backward: bool = False) -> str:
+    """The calibration class of one launched kernel (a node, or a part of a composite one)."""
+    if cost.kind in MATMUL_KINDS:
+        if cost.family in ("gemm", "conv") and cost.min_dim > 0:
+            return f"{cost.family}/{_bucket(cost.min_dim, DIM_BOUNDS)}"
+        return cost.kind  # attention, or a GEMM whose shape the rule could not tell
+    nbytes = cost.bwd_bytes if backward else cost.fwd_bytes
+    return f"{cost.kind}/{_bucket(nbytes, BYTE_BOUNDS, _bytes_label)}"
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Fitted factors of one device; see [Note: calibrated roofline]."""
+
+    device: str  # the name the device reports, e.g. torch.cuda.get_device_name()
+    factors: dict[str, tuple[float, float]]  # class -> (forward, backward) multiplier of roofline time
+    launch: tuple[float, float]  # GPU seconds per launched kernel (forward, backward)
+    host: tuple[float, float]  # host seconds per launched node in eager mode (forward, backward)
+    fit: dict[str, Any] = field(default_factory=dict)  # how it was made and its error
+    schema: int = SCHEMA_VERSION
+
+    def gpu_time(self, roofline: float, cost: NodeCost, *, backward: bool) -> float:
+        """GPU seconds of one launched kernel whose plain roofline time is ``roofline``."""
+        factor = self.factors.get(class_of(cost, backward=backward))
+        scale = factor[int(backward)] if factor is not None else 1.0
+        return roofline * scale + self.launch[int(backward)]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Calibration:
+        try:
+            if data.get("schema") != SCHEMA_VERSION:
+                raise ValueError(f"schema {data.get('schema')!r}, expected {SCHEMA_VERSION}")
+            factors = {str(k): (float(v[0]), float(v[1])) for k, v in data["factors"].items()}
+            bad = [k for k, v in factors.items() if not all(math.isfinite(x) and x > 0 for x in v)]
+            if bad:
+                raise ValueError(f"non-positive factors for {', '.join(bad)}")
+            return cls(str(data["device"]), factors, tuple(map(float, data["launch"])),
+                       tuple(map(float, data["host"])), dict(data.get("fit", {})))
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise ConfigError(f"not a calibration table: {exc}") from exc
+
+
+def load_calibration(name_or_path: str) -> Calibration | None:
+    """A calibration by device profile name (``calibration/<name>.json`` beside this module, None
+    when the project has none for it) or from a file path (a ConfigError naming it if unreadable)."""
+    path = name_or_path if os.sep in name_or_path or name_or_path.endswith(".json") \
+        else os.path.join(CALIBRATION_DIR, f"{name_or_path}.json")
+    if not os.path.exists(path):
+        if path.startswith(CALIBRATION_DIR):
+            return None
+        raise ConfigError(f"calibration file {path!r} does not exist")
+    try:
+        with open(path) as f:
+            return Calibration.from_dict(json.load(f))
+    except (OSError, json.JSONDecodeError, ConfigError) as exc:
+        raise ConfigError(f"cannot read calibration {path!r}: {exc}; remake it with "
+                          "benchmarks/calibrate_device.py or delete it") from exc
+
+
+def launched(cost: NodeCost) -> list[NodeCost]:
+    """The kernels a node launches: its parts (a composite module) or itself; none for views."""
+    kernels = cost.parts or (cost,)
+    return [k for k in kernels if k.kind not in FREE_KINDS]
