@@ -93,9 +93,9 @@ class Calibration:
             if data.get("schema") != SCHEMA_VERSION:
                 raise ValueError(f"schema {data.get('schema')!r}, expected {SCHEMA_VERSION}")
             factors = {str(k): (float(v[0]), float(v[1])) for k, v in data["factors"].items()}
-            bad = [k for k, v in factors.items() if not all(math.isfinite(x) and x > 0 for x in v)]
+            bad = [k for k, v in factors.items() if not all(math.isfinite(x) and x >= 0 for x in v)]
             if bad:
-                raise ValueError(f"non-positive factors for {', '.join(bad)}")
+                raise ValueError(f"negative or non-finite factors for {', '.join(bad)}")
             return cls(str(data["device"]), factors, tuple(map(float, data["launch"])),
                        tuple(map(float, data["host"])), dict(data.get("fit", {})))
         except (KeyError, TypeError, ValueError, IndexError) as exc:
@@ -123,3 +123,21 @@ def launched(cost: NodeCost) -> list[NodeCost]:
     """The kernels a node launches: its parts (a composite module) or itself; none for views."""
     kernels = cost.parts or (cost,)
     return [k for k in kernels if k.kind not in FREE_KINDS]
+
+
+def kernel_features(cost: NodeCost, profile: Any, *, backward: bool) -> list[tuple[str, float]]:
+    """(class, plain roofline seconds) of every kernel a node launches in one direction, on an
+    uncalibrated ``profile``: the terms a calibration's factors multiply."""
+    base = profile if profile.calibration is None else _uncalibrated(profile)
+    out = []
+    for k in launched(cost):
+        seconds = base.node_time(k, backward=backward)
+        if seconds > 0:
+            out.append((class_of(k, backward=backward), seconds - base.op_overhead))
+    return out
+
+
+def _uncalibrated(profile: Any) -> Any:
+    from dataclasses import replace
+
+    return replace(profile, calibration=None)

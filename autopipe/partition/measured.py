@@ -33,7 +33,7 @@ from torch.fx.node import _get_qualified_name
 from autopipe.errors import ProfileError
 from autopipe.graph import tensor_values, value_of
 
-__all__ = ["MeasuredCosts", "Segment", "fingerprint", "spread", "SCHEMA_VERSION"]
+__all__ = ["MeasuredCosts", "Segment", "fingerprint", "spread", "dtype_name", "SCHEMA_VERSION"]
 
 SCHEMA_VERSION = 1
 
@@ -65,6 +65,7 @@ class MeasuredCosts:
     segments: list[Segment]
     node_seconds: dict[str, float]  # per node, forward + backward
     profile_seconds: float = 0.0  # wall time the profiling took
+    recompute: bool = False  # stages ran with activation checkpointing
     schema: int = SCHEMA_VERSION
 
     @property
@@ -74,7 +75,8 @@ class MeasuredCosts:
     def key(self) -> dict[str, Any]:
         """What a profile must match to price a graph."""
         return {"fingerprint": self.fingerprint, "input_shapes": self.input_shapes, "dtype": self.dtype,
-                "mode": self.mode, "device": self.device, "torch_version": self.torch_version}
+                "mode": self.mode, "recompute": self.recompute, "device": self.device,
+                "torch_version": self.torch_version}
 
     def check(self, expected: Mapping[str, Any], *, source: str = "the profile") -> None:
         """Raise ProfileError listing every key field that differs from ``expected`` (fields
@@ -105,7 +107,7 @@ class MeasuredCosts:
             raise ValueError(f"node seconds not finite and >= 0 for {', '.join(bad[:3])}")
         return cls(str(data["fingerprint"]), [list(map(int, s)) for s in data["input_shapes"]],
                    str(data["dtype"]), str(data["mode"]), str(data["device"]), str(data["torch_version"]),
-                   segments, nodes, float(data.get("profile_seconds", 0.0)))
+                   segments, nodes, float(data.get("profile_seconds", 0.0)), bool(data.get("recompute", False)))
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the profile as JSON (atomically: a reader never sees half a file)."""

@@ -1,0 +1,127 @@
+"""Make a measured cost profile of a traced graph: segments timed on the device, cached on disk.
+
+See [Note: measured costs] (partition/measured.py) for what a profile is and how the
+partitioner uses it, and [Note: stage timing] (timer.py) for how a segment is timed.
+
+[Note: segments]
+Segments are cut where stages may be cut (``partitioner.cut_candidates``), as evenly as the
+analytic model can tell (the min-max balancer cutting the graph into ``count`` parts): fine
+enough that every stage of a plan is many segments, so that the analytic split inside a
+segment moves a cut by little; coarse enough that a segment's fixed costs (launch latency,
+autograd's start, its cast outputs) stay small against its work. 96 segments suit the eager
+and CUDA-graph modes (ViT-L/16, 128 images: under 30 s on one H100); compiled modes compile
+every segment, so they default to 24. A graph with fewer candidate cuts gets one segment per
+candidate.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from autopipe.errors import ProfileError
+from autopipe.partition import balance as balancer
+from autopipe.partition.device import DeviceProfile, get_profile
+from autopipe.partition.measured import MeasuredCosts, Segment, dtype_name, fingerprint, spread
+from autopipe.partition.partitioner import analytic_seconds, cut_candidates, partition_at
+from autopipe.tracer import TracedModel
+
+from .cache import ProfileCache
+from .timer import RunSetup, StageTiming, device_name, time_stages
+
+__all__ = ["profile_graph", "segment_starts", "profile_key", "DEFAULT_SEGMENTS"]
+
+DEFAULT_SEGMENTS = {"eager": 96, "graphs": 96, "compiled": 24, "compiled+graphs": 24}
+
+
+def segment_starts(traced: TracedModel, count: int, analytic: DeviceProfile | str = "h100") -> list[int]:
+    """Start positions of at most ``count`` segments; see [Note: segments]."""
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise ProfileError(f"segments must be a positive integer, got {count!r}")
+    allowed = cut_candidates(traced)
+    seconds = analytic_seconds(traced, analytic)
+    order = [n.name for n in traced.gm.graph.nodes if n.op != "output"]
+    count = min(count, sum(allowed) + 1)
+    # Every node weighs a little, so that stretches the model prices at zero are still split.
+    floor = 1e-3 * sum(seconds.values()) / max(len(order), 1)
+    return balancer.solve([seconds[n] + floor for n in order], count, allowed_cuts=allowed)
+
+
+def profile_key(traced: TracedModel, setup: RunSetup) -> dict[str, Any]:
+    """What a profile of ``traced`` run as ``setup`` must match; see MeasuredCosts.key."""
+    return {"fingerprint": fingerprint(traced.gm), "input_shapes": [list(s) for s in traced.input_shapes],
+            "dtype": dtype_name(setup.compute_dtype), "mode": setup.mode, "recompute": setup.recompute,
+            "device": device_name(setup.device), "torch_version": torch.__version__}
+
+
+def profile_graph(traced: TracedModel, setup: RunSetup, *, segments: int | None = None,
+                  analytic: DeviceProfile | str | None = None, cache: ProfileCache | None = None,
+                  group: Any = None) -> MeasuredCosts:
+    """Time ``traced`` on ``setup.device`` segment by segment; a cached profile when one fits.
+
+    Collective when torch.distributed is initialised (or ``group`` is given): every rank calls
+    it with the same graph; ranks time a share of the segments each and gather the rest, and
+    all of them return the same profile (rank 0's cache decides whether to time at all).
+    """
+    analytic = get_profile(analytic or ("cpu" if setup.device.type == "cpu" else "h100"))
+    count = segments or DEFAULT_SEGMENTS[setup.mode]
+    key = profile_key(traced, setup)
+    rank, world = _rank_world(group)
+    cached = cache.load(key, count) if cache is not None and rank == 0 else None
+    if world > 1:
+        cached = _broadcast(cached, group)
+    if cached is not None:
+        return cached
+
+    begin = time.perf_counter()
+    starts = segment_starts(traced, count, analytic)
+    plan = partition_at(traced, starts, device=analytic, activation_dtype=setup.compute_dtype)
+    mine = [i for i in range(plan.num_stages) if i % world == rank]
+    timings = _share(lambda: time_stages(traced, plan, setup, mine), group, world)
+    order = [n for s in plan.stages for n in s.nodes]
+    ends = starts[1:] + [len(order)]
+    segs = [Segment(a, b, timings[i].forward, timings[i].backward) for i, (a, b) in enumerate(zip(starts, ends))]
+    modelled = analytic_seconds(traced, analytic)
+    measured = MeasuredCosts(
+        key["fingerprint"], key["input_shapes"], key["dtype"], key["mode"], key["device"], key["torch_version"],
+        segs, spread(segs, order, [modelled[n] for n in order]), time.perf_counter() - begin,
+        recompute=setup.recompute)
+    if cache is not None and rank == 0:
+        cache.save(measured, count)
+    return measured
+
+
+def _rank_world(group: Any) -> tuple[int, int]:
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _broadcast(value: Any, group: Any) -> Any:
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return box[0]
+
+
+def _share(work: Callable[[], dict[int, StageTiming]], group: Any, world: int) -> dict[int, StageTiming]:
+    """Every rank's share of the timings, on every rank. A rank that fails still takes part in
+    the gather (with its error), so that every rank raises instead of one waiting forever."""
+    try:
+        result: dict[int, StageTiming] | str = work()
+    except Exception as exc:  # noqa: BLE001 - re-raised below on every rank, typed
+        if world == 1:
+            raise
+        result = f"{type(exc).__name__}: {exc}"
+    if world == 1:
+        return result  # type: ignore[return-value]
+    parts: list[Any] = [None] * world
+    dist.all_gather_object(parts, result, group=group)
+    failed = [f"rank {r}: {p}" for r, p in enumerate(parts) if isinstance(p, str)]
+    if failed:
+        raise ProfileError("timing the profile's segments failed on " + "; ".join(failed))
+    merged: dict[int, StageTiming] = {}
+    for part in parts:
+        merged.update(part)
+    return merged

@@ -1,0 +1,209 @@
+"""Time a plan's stages on a device: each emitted stage alone, forward then backward, on the
+real outputs of the stages before it, prepared as the runtime prepares it.
+
+[Note: stage timing]
+What a pipeline rank does per micro-batch is run its stage's forward, later its backward; so
+that is what is timed, with nothing else around it:
+- the stage is emitted from the plan (autopipe/emit.py), copied to the device (a model
+  planned on the meta device gets random weights: timing needs shapes, not values), and
+  prepared as ``StageRuntime`` prepares it: weight casts and autocast in the compute dtype,
+  activations cast at the boundary, activation checkpointing, ``torch.compile``, CUDA graphs
+  (runtime/graphs.py, one slot);
+- its inputs are the outputs of the stages before it, computed once in order (no grad), so a
+  stage sees the values, dtypes and layouts it will see in training; received activations
+  require grad, the model's own inputs do not;
+- forward and backward are timed separately with CUDA events (perf_counter on CPU) around
+  back-to-back repetitions after ``warmup`` untimed ones, and the median is kept. Between
+  repetitions nothing synchronises, so a stage whose host work (Python, dispatch, launch)
+  is slower than its kernels measures its host time, as it runs in a pipeline;
+- the backward pass starts from random gradients of the stage's outputs (the last stage's
+  outputs too: a classification loss adds a kernel or two, nothing that moves a cut).
+Stages are handled one at a time and dropped after use, so a model that does not fit the
+device whole can still be timed stage by stage. ``indices`` times some stages only (the
+others still run their forward to feed the next): ranks share the work this way.
+"""
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.nn as nn
+
+from autopipe.emit import emit_stages
+from autopipe.errors import ProfileError
+from autopipe.partition.device import EXECUTION_MODES, _materialise
+from autopipe.partition.plan import PartitionPlan
+from autopipe.runtime.graphs import StageGraphs
+from autopipe.runtime.p2p import TensorSpec
+from autopipe.runtime.weight_casts import WeightCasts
+from autopipe.tracer import TracedModel
+
+__all__ = ["RunSetup", "StageTiming", "time_stages", "device_name"]
+
+
+@dataclass(frozen=True)
+class RunSetup:
+    """How stages run, hence how they are timed; see [Note: stage timing]."""
+
+    device: torch.device
+    mode: str = "eager"  # one of EXECUTION_MODES
+    compute_dtype: torch.dtype | None = None  # autocast dtype; None: the traced dtype
+    recompute: bool = False  # activation checkpointing
+    warmup: int = 2
+    reps: int = 10
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "device", torch.device(self.device))
+        if self.mode not in EXECUTION_MODES:
+            raise ProfileError(f"execution mode {self.mode!r} is not one of {', '.join(EXECUTION_MODES)}")
+        if "graphs" in self.mode and self.device.type != "cuda":
+            raise ProfileError(f"mode {self.mode!r} captures CUDA graphs and needs a CUDA device, not "
+                               f"{self.device}; use mode='eager'")
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ProfileError(f"cannot time stages on {self.device}: this machine has no CUDA device "
+                               "(torch.cuda.is_available() is False). Profile on the GPU machine "
+                               "(`autopipe profile ... --out FILE`) and plan here with that file, or "
+                               "plan with the analytic cost model")
+        if self.reps < 1 or self.warmup < 0:
+            raise ProfileError(f"reps must be >= 1 and warmup >= 0, got reps={self.reps}, warmup={self.warmup}")
+
+
+@dataclass(frozen=True)
+class StageTiming:
+    forward: float  # median seconds, one micro-batch
+    backward: float
+
+    @property
+    def seconds(self) -> float:
+        return self.forward + self.backward
+
+
+def device_name(device: torch.device | str) -> str:
+    """The name a device gives itself (the key a profile is made for)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return device.type
+
+
+def time_stages(traced: TracedModel, plan: PartitionPlan, setup: RunSetup,
+                indices: Iterable[int] | None = None) -> dict[int, StageTiming]:
+    """Seconds of each stage in ``indices`` (default all), timed as [Note: stage timing] says."""
+    wanted = set(range(plan.num_stages) if indices is None else indices)
+    last_needed = max(wanted, default=-1)
+    stages = emit_stages(traced, plan, range(last_needed + 1))
+    inputs = _model_inputs(traced, setup.device)
+    out: dict[int, StageTiming] = {}
+    for i in range(last_needed + 1):
+        last = i == plan.num_stages - 1
+        if i in wanted:
+            stage = _prepare(stages.pop(i), setup, last=last)
+            grads = [i > 0 and x.is_floating_point() for x in inputs]
+            out[i], outputs = _time(stage, inputs, grads, setup)
+        else:  # only feeds the next stage: eager, no gradients
+            stage = _prepare(stages.pop(i), RunSetup(setup.device, "eager", setup.compute_dtype), last=last)
+            with torch.no_grad():
+                outputs = stage(*inputs)
+        inputs = tuple(t.detach() for t in outputs)
+        del stage
+    return out
+
+
+def _model_inputs(traced: TracedModel, device: torch.device) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.randn(s, device=device).to(d) if d.is_floating_point else
+                 torch.zeros(s, dtype=d, device=device)
+                 for s, d in zip(traced.input_shapes, traced.input_dtypes))
+
+
+def _prepare(stage: nn.Module, setup: RunSetup, *, last: bool) -> nn.Module:
+    """A device copy of ``stage`` set up as StageRuntime sets up its stages."""
+    from autopipe.model import _wrap_forward  # the runtime's own wrapper: stages run as they will
+
+    stage = copy.deepcopy(stage)
+    _materialise(stage, setup.device)
+    stage.recompile()  # _materialise may retarget factory calls traced on the meta device
+    stage.train()
+    if setup.compute_dtype is not None:
+        WeightCasts.install([stage], setup.compute_dtype)
+    if setup.mode.startswith("compiled"):
+        stage.forward = torch.compile(stage.forward, dynamic=False)
+    if setup.compute_dtype is not None or setup.recompute:
+        _wrap_forward(stage, device_type=setup.device.type, compute_dtype=setup.compute_dtype,
+                      cast_outputs=not last, recompute=setup.recompute)
+    return stage
+
+
+def _time(stage: nn.Module, inputs: Sequence[torch.Tensor], grads: Sequence[bool],
+          setup: RunSetup) -> tuple[StageTiming, tuple[torch.Tensor, ...]]:
+    """The stage's timing, and its outputs (of the last repetition) to feed the next stage."""
+    xs = [x.detach().requires_grad_(g) for x, g in zip(inputs, grads)]
+    graphs = None
+    if setup.mode.endswith("graphs"):
+        specs = [TensorSpec(tuple(x.shape), x.dtype) for x in xs]
+        graphs = StageGraphs(stage, specs, grads, 1, setup.device)
+        graphs.prepare_grads()
+    seeds: list[torch.Tensor] | None = None
+
+    outputs: tuple[torch.Tensor, ...] = ()
+
+    def forward() -> tuple[Any, list[torch.Tensor]]:
+        nonlocal outputs
+        if graphs is not None:
+            slot, outs = graphs.forward(*xs)
+        else:
+            slot, outs = None, stage(*xs)
+        outputs = (outs,) if isinstance(outs, torch.Tensor) else tuple(outs)
+        return slot, [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
+
+    def backward(slot: Any, outs: list[torch.Tensor]) -> None:
+        nonlocal seeds
+        if seeds is None:
+            seeds = [torch.randn_like(o) for o in outs]
+        if outs:
+            torch.autograd.backward(outs, seeds)
+        if graphs is not None:
+            graphs.release(slot)
+
+    clock = _Clock(setup.device)
+    for _ in range(setup.warmup):
+        backward(*forward())
+    fwd, bwd = [], []
+    for _ in range(setup.reps):
+        t0 = clock.mark()
+        slot, outs = forward()
+        t1 = clock.mark()
+        backward(slot, outs)
+        t2 = clock.mark()
+        fwd.append((t0, t1))
+        bwd.append((t1, t2))
+    clock.sync()
+    timing = StageTiming(statistics.median(clock.seconds(a, b) for a, b in fwd),
+                         statistics.median(clock.seconds(a, b) for a, b in bwd))
+    for p in stage.parameters():
+        p.grad = None
+    return timing, tuple(o.detach() for o in outputs)
+
+
+class _Clock:
+    """Marks on the device's stream (CUDA events) or the host clock."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def seconds(self, a: Any, b: Any) -> float:
+        return a.elapsed_time(b) / 1e3 if self.cuda else b - a
