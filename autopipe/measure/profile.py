@@ -40,13 +40,19 @@ def segment_starts(traced: TracedModel, count: int, analytic: DeviceProfile | st
     """Start positions of at most ``count`` segments; see [Note: segments]."""
     if not isinstance(count, int) or isinstance(count, bool) or count < 1:
         raise ProfileError(f"segments must be a positive integer, got {count!r}")
-    allowed = cut_candidates(traced)
     seconds = analytic_seconds(traced, analytic)
     order = [n.name for n in traced.gm.graph.nodes if n.op != "output"]
+    # A cut is a candidate only where work was done since the last one: a segment of views
+    # alone launches nothing, and its outputs alias its inputs (no graph can capture that).
+    allowed, work = cut_candidates(traced), 0.0
+    for k, name in enumerate(order[:-1]):
+        work += seconds[name]
+        if allowed[k] and work > 0:
+            work = 0.0
+        else:
+            allowed[k] = False
     count = min(count, sum(allowed) + 1)
-    # Every node weighs a little, so that stretches the model prices at zero are still split.
-    floor = 1e-3 * sum(seconds.values()) / max(len(order), 1)
-    return balancer.solve([seconds[n] + floor for n in order], count, allowed_cuts=allowed)
+    return balancer.solve([seconds[n] for n in order], count, allowed_cuts=allowed)
 
 
 def profile_key(traced: TracedModel, setup: RunSetup) -> dict[str, Any]:
