@@ -1,23 +1,25 @@
 """Fit the analytic cost model's kernel efficiencies to a GPU: collect on the GPU, fit anywhere.
 
-    # on the GPU machine: time fine segments of real models, forward and backward, in CUDA
-    # graphs (GPU time) and eagerly (host time), under bf16 autocast
+    # on the GPU machine: each node's kernel times of real models, forward and backward, under
+    # bf16 autocast, and the segments' eager and CUDA-graph timings
     python benchmarks/calibrate_device.py collect --out rows.json
     # anywhere: fit the factors, write the table the h100 profile loads, print the fit's error
     python benchmarks/calibrate_device.py fit rows.json --name h100
 
-What is fitted is [Note: calibrated roofline] (autopipe/partition/calibration.py). Each segment
-of each model (cut at every candidate stage boundary: a node or a few) gives one row per
-direction: its measured seconds and, per kernel class, the plain roofline seconds of its
-kernels in that class, with the number of kernels it launches. The factors and the per-kernel
-launch time are the non-negative least squares solution of
+What is fitted is [Note: calibrated roofline] (autopipe/partition/calibration.py). Each node
+of each model gives one row per direction: its kernels' measured device time (the profiler's
+kernel records: [Note: node times from kernels] in autopipe/measure/kernels.py) and, per kernel
+class, the plain roofline seconds of the kernels the cost model says it launches, with their
+count. The factors and the per-kernel launch time are the non-negative least-squares solution
+of
 
-    measured_graphs(segment) ~= sum over classes of factor[class] * roofline[class] + launch * kernels
+    device(node) ~= sum over classes of factor[class] * roofline[class] + launch * kernels
 
 on relative error (each row divided by its measured time), with a light pull of every factor
 towards the median factor so that classes seen in few rows stay sensible. The host time per
-launched node in eager mode is the value that best predicts the eager timings as
-max(GPU time, host * kernels) per node. The error is reported in-sample per segment and,
+kernel in eager mode, and the fixed cost of a stage in each mode, are the values that best
+predict the segments' own eager and CUDA-graph timings (a node taking max(device, host) in
+eager mode). The error is reported in-sample (nodes of 20 us or more, and segments) and,
 leaving each model out of the fit in turn, on contiguous groups of segments the size of pp=4
 and pp=8 stages: the error a plan's stage times carry for a model the fit has not seen.
 """
@@ -42,64 +44,71 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODELS = ["resnet50", "resnet152", "convnext_base", "swin_base_patch4_window7_224", "vit_base_patch16_224",
           "vit_large_patch16_224", "efficientnet_b0"]
 MICROBATCHES = (32, 128)
-PRIOR_WEIGHT = 0.05  # pull of each factor towards the median factor, against rows weighted 1
+PRIOR_WEIGHT = 0.01  # pull of each factor towards the median factor, against rows weighted 1
 
 
 # ---------------------------------------------------------------------------------- collect
 def collect(models: list[str], microbatches: list[int], reps: int, out: str, device: str = "cuda",
-            modes: tuple[str, ...] = ("graphs", "eager"), image_size: int | None = None) -> None:
+            image_size: int | None = None, segments: int = 16) -> None:
     import torch
 
     from autopipe.measure import RunSetup, segment_starts, time_stages
     from autopipe.measure.timer import device_name
     from autopipe.models import default_input, load_model
-    from autopipe.partition.calibration import kernel_features, launched
+    from autopipe.partition.calibration import kernel_features
     from autopipe.partition.cost import graph_costs
     from autopipe.partition.device import PROFILES
     from autopipe.partition.partitioner import partition_at
     from autopipe.tracer import trace
 
-    device = torch.device(device)
+    dev = torch.device(device)
     base = PROFILES["h100"]
-    rows: list[dict[str, Any]] = []
+    nodes: list[dict[str, Any]] = []
+    segs: list[dict[str, Any]] = []
     for name in models:
         for mb in microbatches:
             begin = time.perf_counter()
             model = load_model(name if ":" in name else f"timm:{name}", image_size=image_size)
             traced = trace(model, (default_input(model, mb, image_size=image_size),))
             costs = graph_costs(traced.gm)
-            starts = segment_starts(traced, 10**6, base)
-            plan = partition_at(traced, starts, device=base, activation_dtype=torch.bfloat16)
-            timed = {mode: time_stages(traced, plan, RunSetup(device, mode, torch.bfloat16, reps=reps))
-                     for mode in modes}
-            for mode in ("graphs", "eager"):  # a CPU smoke run has no graphs: its eager times stand in
-                timed.setdefault(mode, timed[modes[0]])
+            plan = partition_at(traced, segment_starts(traced, segments, base), device=base,
+                                activation_dtype=torch.bfloat16)
+            eager = time_stages(traced, plan, RunSetup(dev, "eager", torch.bfloat16, reps=reps), kernels=True)
+            graphs = time_stages(traced, plan, RunSetup(dev, "graphs", torch.bfloat16, reps=reps)) \
+                if dev.type == "cuda" else eager
             for i, stage in enumerate(plan.stages):
-                row: dict[str, Any] = {"model": name, "microbatch": mb, "segment": i}
-                for direction, backward in (("fwd", False), ("bwd", True)):
-                    feats: dict[str, float] = defaultdict(float)
-                    kernels = 0
-                    for n in stage.nodes:
-                        for cls, seconds in kernel_features(costs[n], base, backward=backward):
+                times = eager[i].nodes
+                ids = []
+                for n in stage.nodes:
+                    row: dict[str, Any] = {"model": name, "microbatch": mb, "node": n}
+                    for direction, k in (("fwd", 0), ("bwd", 1)):
+                        kernels = kernel_features(costs[n], base, backward=bool(k))
+                        feats: dict[str, float] = defaultdict(float)
+                        for cls, seconds in kernels:
                             feats[cls] += seconds
-                            kernels += 1
-                    row[direction] = {"features": dict(feats), "kernels": kernels,
-                                      "graphs": getattr(timed["graphs"][i], "forward" if not backward else "backward"),
-                                      "eager": getattr(timed["eager"][i], "forward" if not backward else "backward")}
-                rows.append(row)
-            print(f"{name} mb={mb}: {plan.num_stages} segments in {time.perf_counter() - begin:.1f} s", flush=True)
+                        row[direction] = {"features": dict(feats), "kernels": len(kernels),
+                                          "device": times.device.get(n, (0.0, 0.0))[k],
+                                          "host": times.host.get(n, (0.0, 0.0))[k],
+                                          "kernels_seen": times.kernels.get(n, (0, 0))[k]}
+                    ids.append(len(nodes))
+                    nodes.append(row)
+                segs.append({"model": name, "microbatch": mb, "segment": i, "nodes": ids,
+                             "eager": eager[i].seconds, "graphs": graphs[i].seconds,
+                             "unattributed": sum(times.unattributed)})
+            print(f"{name} mb={mb}: {len(costs)} nodes, {plan.num_stages} segments in "
+                  f"{time.perf_counter() - begin:.1f} s", flush=True)
             del model, traced
-    meta = {"device": device_name(device), "torch": torch.__version__, "dtype": "bfloat16",
+    meta = {"device": device_name(dev), "torch": torch.__version__, "dtype": "bfloat16",
             "date": datetime.date.today().isoformat(), "reps": reps, "models": models,
             "microbatches": microbatches, "host": platform.node()}
     with open(out, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f)
-    print(f"wrote {len(rows)} rows to {out}")
+        json.dump({"meta": meta, "nodes": nodes, "segments": segs}, f)
+    print(f"wrote {len(nodes)} nodes, {len(segs)} segments to {out}")
 
 
 # ---------------------------------------------------------------------------------- fit
-def _design(rows: list[dict], direction: str, classes: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(A, kernels, measured): A[row, class] roofline seconds; last column is the kernel count."""
+def _design(rows: list[dict], direction: str, classes: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(A, measured): A[row, class] roofline seconds, last column the kernels the model launches."""
     index = {c: i for i, c in enumerate(classes)}
     a = np.zeros((len(rows), len(classes) + 1))
     y = np.zeros(len(rows))
@@ -109,73 +118,81 @@ def _design(rows: list[dict], direction: str, classes: list[str]) -> tuple[np.nd
             if cls in index:
                 a[r, index[cls]] += seconds
         a[r, -1] = d["kernels"]
-        y[r] = d["graphs"]
-    return a, a[:, -1].copy(), y
+        y[r] = d["device"]
+    return a, y
 
 
 def _nnls_relative(a: np.ndarray, y: np.ndarray) -> np.ndarray:
     from scipy.optimize import nnls
 
-    keep = (y > 0) & (a.sum(axis=1) > 0)
+    keep = (y > 0) & (a[:, :-1].sum(axis=1) > 0)
     w = 1.0 / y[keep]
     aw, yw = a[keep] * w[:, None], y[keep] * w
     first, _ = nnls(aw, yw, maxiter=5000)
     factors = first[:-1]
     used = (a[keep][:, :-1] > 0).any(axis=0)
-    prior = float(np.median(factors[used])) if used.any() else 1.0
-    # Pull every factor towards the median; the launch term is free.
+    prior = float(np.median(factors[used & (factors > 0)])) if (used & (factors > 0)).any() else 1.0
+    # Pull every factor towards the median, relatively (classes seen in few rows stay sensible);
+    # the launch term is free.
     n = a.shape[1]
+    weight = PRIOR_WEIGHT * math.sqrt(len(yw))
     reg = np.zeros((n - 1, n))
-    reg[:, : n - 1] = np.eye(n - 1) * PRIOR_WEIGHT * math.sqrt(len(yw))
-    sol, _ = nnls(np.vstack([aw, reg]), np.concatenate([yw, np.full(n - 1, PRIOR_WEIGHT * math.sqrt(len(yw)) * prior)]),
-                  maxiter=5000)
+    reg[:, : n - 1] = np.eye(n - 1) * weight / prior
+    sol, _ = nnls(np.vstack([aw, reg]), np.concatenate([yw, np.full(n - 1, weight)]), maxiter=5000)
     return sol
 
 
-def _host(rows: list[dict], direction: str, classes: list[str], sol: np.ndarray) -> float:
-    """The host seconds per kernel that best predicts eager times as max(gpu, host * kernels)."""
-    a, kernels, _ = _design(rows, direction, classes)
-    gpu = a @ sol
-    eager = np.array([row[direction]["eager"] for row in rows])
-    keep = (eager > 0) & (kernels > 0)
-    best, best_err = 0.0, float("inf")
-    for h in np.geomspace(1e-6, 2e-4, 200):
-        pred = np.maximum(gpu[keep], h * kernels[keep])
-        err = float(np.median(np.abs(pred - eager[keep]) / eager[keep]))
-        if err < best_err:
-            best, best_err = float(h), err
-    return best
-
-
-def fit(rows: list[dict]) -> dict[str, Any]:
-    classes = sorted({c for row in rows for d in ("fwd", "bwd") for c in row[d]["features"]})
-    sols = {d: _nnls_relative(*_design(rows, d, classes)[::2]) for d in ("fwd", "bwd")}
-    hosts = {d: _host(rows, d, classes, sols[d]) for d in ("fwd", "bwd")}
-    factors = {c: (float(sols["fwd"][i]), float(sols["bwd"][i])) for i, c in enumerate(classes)}
-    return {"classes": classes, "factors": factors, "launch": (float(sols["fwd"][-1]), float(sols["bwd"][-1])),
-            "host": (hosts["fwd"], hosts["bwd"]), "sols": sols}
-
-
-def _predict(rows: list[dict], model: dict[str, Any], mode: str) -> np.ndarray:
-    """Predicted forward+backward seconds of each row's segment."""
-    out = np.zeros(len(rows))
-    for d, k in (("fwd", 0), ("bwd", 1)):
-        a, kernels, _ = _design(rows, d, model["classes"])
-        gpu = a @ model["sols"][d]
-        out += np.maximum(gpu, model["host"][k] * kernels) if mode == "eager" else gpu
+def _gpu(rows: list[dict], model: dict[str, Any]) -> np.ndarray:
+    """Predicted device seconds per node row, per direction: shape (rows, 2)."""
+    out = np.zeros((len(rows), 2))
+    for k, d in enumerate(("fwd", "bwd")):
+        a, _ = _design(rows, d, model["classes"])
+        out[:, k] = a @ model["sols"][d]
     return out
 
 
-def _measured(rows: list[dict], mode: str) -> np.ndarray:
-    return np.array([row["fwd"][mode] + row["bwd"][mode] for row in rows])
+def _kernels(rows: list[dict]) -> np.ndarray:
+    return np.array([[r["fwd"]["kernels"], r["bwd"]["kernels"]] for r in rows], dtype=float)
 
 
-def _group_error(rows: list[dict], pred: np.ndarray, meas: np.ndarray, parts: int) -> list[float]:
-    """Relative error of contiguous groups of segments, ``parts`` groups per (model, microbatch)."""
-    errs = []
+def _segment_prediction(nodes: list[dict], segs: list[dict], model: dict[str, Any], mode: str,
+                        host: tuple[float, float] | None = None) -> np.ndarray:
+    gpu = _gpu(nodes, model)
+    if mode == "eager":
+        h = np.array(host if host is not None else model["host"])
+        gpu = np.maximum(gpu, _kernels(nodes) * h[None, :])
+    per_node = gpu.sum(axis=1)
+    return np.array([per_node[s["nodes"]].sum() for s in segs]) + model["overhead"][mode]
+
+
+def fit(nodes: list[dict], segs: list[dict]) -> dict[str, Any]:
+    classes = sorted({c for row in nodes for d in ("fwd", "bwd") for c in row[d]["features"]})
+    sols = {d: _nnls_relative(*_design(nodes, d, classes)) for d in ("fwd", "bwd")}
+    model: dict[str, Any] = {"classes": classes, "sols": sols, "overhead": {"graphs": 0.0, "eager": 0.0}}
+    # A stage's fixed cost (first launch, autograd's start): the median excess of a segment.
+    measured = {m: np.array([s[m] for s in segs]) for m in ("graphs", "eager")}
+    model["overhead"]["graphs"] = max(float(np.median(measured["graphs"] - _segment_prediction(
+        nodes, segs, model, "graphs"))), 0.0)
+    best, best_err = (0.0, 0.0), float("inf")
+    for h in np.geomspace(1e-6, 1e-4, 60):
+        for ratio in (1.0, 1.5, 2.0, 3.0):
+            host = (float(h), float(h * ratio))
+            pred = _segment_prediction(nodes, segs, model, "eager", host) - model["overhead"]["eager"]
+            excess = max(float(np.median(measured["eager"] - pred)), 0.0)
+            err = float(np.median(np.abs(pred + excess - measured["eager"]) / measured["eager"]))
+            if err < best_err:
+                best, best_err, model["overhead"]["eager"] = host, err, excess
+    model["host"] = best
+    model["factors"] = {c: (float(sols["fwd"][i]), float(sols["bwd"][i])) for i, c in enumerate(classes)}
+    model["launch"] = (float(sols["fwd"][-1]), float(sols["bwd"][-1]))
+    return model
+
+
+def _stage_errors(segs: list[dict], pred: np.ndarray, meas: np.ndarray, parts: int) -> list[float]:
     by_run: dict[tuple, list[int]] = defaultdict(list)
-    for i, row in enumerate(rows):
-        by_run[(row["model"], row["microbatch"])].append(i)
+    for i, s in enumerate(segs):
+        by_run[(s["model"], s["microbatch"])].append(i)
+    errs = []
     for idx in by_run.values():
         for chunk in np.array_split(np.array(idx), parts):
             if len(chunk):
@@ -188,32 +205,45 @@ def _summary(errs: list[float]) -> dict[str, float]:
     return {"median": float(np.median(errs)), "p90": float(np.percentile(errs, 90)), "max": float(np.max(errs))}
 
 
-def report(rows: list[dict], name: str, meta: dict[str, Any]) -> dict[str, Any]:
-    model = fit(rows)
+def report(nodes: list[dict], segs: list[dict], meta: dict[str, Any]) -> dict[str, Any]:
+    model = fit(nodes, segs)
     errors: dict[str, Any] = {}
+    gpu = _gpu(nodes, model)
+    dev = np.array([[r["fwd"]["device"], r["bwd"]["device"]] for r in nodes])
+    big = dev.sum(axis=1) > 20e-6  # nodes of at least 20 us: the ones that move a cut
+    node_err = np.abs(gpu.sum(axis=1) - dev.sum(axis=1))[big] / dev.sum(axis=1)[big]
+    errors["nodes_over_20us_in_sample"] = _summary(list(node_err))
     for mode in ("graphs", "eager"):
-        meas, pred = _measured(rows, mode), _predict(rows, model, mode)
-        seg = np.abs(pred - meas) / meas
-        errors[mode] = {"segments_in_sample": _summary(list(seg)), "leave_one_model_out": {}}
+        meas = np.array([s[mode] for s in segs])
+        errors[mode] = {"segments_in_sample": _summary(list(np.abs(_segment_prediction(nodes, segs, model, mode)
+                                                                          - meas) / meas)),
+                        "leave_one_model_out": {}}
         for parts in (4, 8):
             loo: list[float] = []
             per_model: dict[str, float] = {}
-            for held in sorted({r["model"] for r in rows}):
-                train = [r for r in rows if r["model"] != held]
-                test = [r for r in rows if r["model"] == held]
-                m = fit(train)
-                e = _group_error(test, _predict(test, m, mode), _measured(test, mode), parts)
+            for held in sorted({s["model"] for s in segs}):
+                keep_n = [r for r in nodes if r["model"] != held]
+                train_segs = [dict(s, nodes=_renumber(s, nodes, keep_n)) for s in segs if s["model"] != held]
+                m = fit(keep_n, train_segs)
+                test_n = [r for r in nodes if r["model"] == held]
+                test_segs = [dict(s, nodes=_renumber(s, nodes, test_n)) for s in segs if s["model"] == held]
+                t_meas = np.array([s[mode] for s in test_segs])
+                e = _stage_errors(test_segs, _segment_prediction(test_n, test_segs, m, mode), t_meas, parts)
                 loo += e
                 per_model[held] = float(np.max(e))
             errors[mode]["leave_one_model_out"][f"{parts}_stages"] = {**_summary(loo), "max_by_model": per_model}
-    table = {
+    return {
         "schema": 1, "device": meta["device"], "launch": model["launch"], "host": model["host"],
-        "factors": model["factors"],
+        "factors": model["factors"], "stage": model["overhead"],
         "fit": {"made_by": "benchmarks/calibrate_device.py", "dtype": meta["dtype"], "torch": meta["torch"],
                 "date": meta["date"], "models": meta["models"], "microbatches": meta["microbatches"],
-                "rows": len(rows), "error": errors},
+                "nodes": len(nodes), "segments": len(segs), "stage_overhead": model["overhead"], "error": errors},
     }
-    return table
+
+
+def _renumber(seg: dict, all_nodes: list[dict], subset: list[dict]) -> list[int]:
+    position = {id(r): i for i, r in enumerate(subset)}
+    return [position[id(all_nodes[i])] for i in seg["nodes"]]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -225,7 +255,6 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--reps", type=int, default=10)
     c.add_argument("--out", required=True)
     c.add_argument("--device", default="cuda")
-    c.add_argument("--modes", default="graphs,eager")
     c.add_argument("--image-size", type=int, default=None)
     f = sub.add_parser("fit")
     f.add_argument("rows", nargs="+")
@@ -233,24 +262,30 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.cmd == "collect":
         collect(args.models.split(","), [int(x) for x in args.microbatch.split(",")], args.reps, args.out,
-                args.device, tuple(args.modes.split(",")), args.image_size)
+                args.device, args.image_size)
         return 0
-    rows, meta = [], None
+    nodes, segs, meta = [], [], None
     for path in args.rows:
         with open(path) as fh:
             data = json.load(fh)
-        rows += data["rows"]
+        offset = len(nodes)
+        nodes += data["nodes"]
+        segs += [dict(s, nodes=[i + offset for i in s["nodes"]]) for s in data["segments"]]
         meta = meta or data["meta"]
-    assert meta is not None
-    meta["models"] = sorted({r["model"] for r in rows})
-    table = report(rows, args.name, meta)
+    if meta is None:
+        raise SystemExit("no rows given")
+    meta["models"] = sorted({r["model"] for r in nodes})
+    table = report(nodes, segs, meta)
     from autopipe.partition.calibration import CALIBRATION_DIR
 
     path = os.path.join(CALIBRATION_DIR, f"{args.name}.json")
     with open(path, "w") as fh:
         json.dump(table, fh, indent=1, sort_keys=True)
     print(f"wrote {path}")
-    for mode, e in table["fit"]["error"].items():
+    e = table["fit"]["error"]["nodes_over_20us_in_sample"]
+    print(f"nodes of 20 us or more, in sample: median {e['median']:.3f} p90 {e['p90']:.3f}")
+    for mode in ("graphs", "eager"):
+        e = table["fit"]["error"][mode]
         seg = e["segments_in_sample"]
         print(f"{mode:6s} segments in sample: median {seg['median']:.3f} p90 {seg['p90']:.3f}")
         for parts, loo in e["leave_one_model_out"].items():

@@ -4,17 +4,22 @@ See [Note: measured costs] (partition/measured.py) for what a profile is and how
 partitioner uses it, and [Note: stage timing] (timer.py) for how a segment is timed.
 
 [Note: segments]
-Segments are cut where stages may be cut (``partitioner.cut_candidates``), as evenly as the
-analytic model can tell (the min-max balancer cutting the graph into ``count`` parts): fine
-enough that every stage of a plan is many segments, so that the analytic split inside a
-segment moves a cut by little; coarse enough that a segment's fixed costs (launch latency,
-autograd's start, its cast outputs) stay small against its work. 96 segments suit the eager
-and CUDA-graph modes (ViT-L/16, 128 images: under 30 s on one H100); compiled modes compile
-every segment, so they default to 24. A graph with fewer candidate cuts gets one segment per
-candidate.
+A profile runs the graph in segments cut where stages may be cut (``partitioner.cut_candidates``),
+as evenly as the analytic model can tell (the min-max balancer cutting the graph into
+``count`` parts). In the eager and CUDA-graph modes each segment is timed whole and, under the
+profiler, node by node ([Note: node times from kernels] in kernels.py): the node times are what
+the balancer cuts by, at node granularity, and the segments serve to share the work among
+ranks, to bound the memory (one segment on the device at a time), and to measure what no
+node owns: the fixed cost of running a stage at all (its first launch, autograd's start, the
+cast of its outputs), the median over segments of what their timing exceeds their nodes by,
+and in eager mode the factor that turns the profiler's host times (which the profiler itself
+inflates) into the host times a stage spends. 16 segments by default.
+Compiled modes fuse nodes into kernels no single node owns: there each segment is timed whole
+(24 by default: every one is compiled) and its time spread over its nodes by the analytic model.
 """
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any, Callable
 
@@ -33,7 +38,7 @@ from .timer import RunSetup, StageTiming, device_name, time_stages
 
 __all__ = ["profile_graph", "segment_starts", "profile_key", "DEFAULT_SEGMENTS"]
 
-DEFAULT_SEGMENTS = {"eager": 96, "graphs": 96, "compiled": 24, "compiled+graphs": 24}
+DEFAULT_SEGMENTS = {"eager": 16, "graphs": 16, "compiled": 24, "compiled+graphs": 24}
 
 
 def segment_starts(traced: TracedModel, count: int, analytic: DeviceProfile | str = "h100") -> list[int]:
@@ -85,15 +90,19 @@ def profile_graph(traced: TracedModel, setup: RunSetup, *, segments: int | None 
     starts = segment_starts(traced, count, analytic)
     plan = partition_at(traced, starts, device=analytic, activation_dtype=setup.compute_dtype)
     mine = [i for i in range(plan.num_stages) if i % world == rank]
-    timings = _share(lambda: time_stages(traced, plan, setup, mine), group, world)
+    by_kernels = not setup.mode.startswith("compiled")
+    timings = _share(lambda: time_stages(traced, plan, setup, mine, kernels=by_kernels), group, world)
     order = [n for s in plan.stages for n in s.nodes]
     ends = starts[1:] + [len(order)]
     segs = [Segment(a, b, timings[i].forward, timings[i].backward) for i, (a, b) in enumerate(zip(starts, ends))]
     modelled = analytic_seconds(traced, analytic)
+    if by_kernels:
+        seconds, overhead = _from_kernels(plan, [timings[i] for i in range(plan.num_stages)], setup.mode, modelled)
+    else:
+        seconds, overhead = spread(segs, order, [modelled[n] for n in order]), 0.0
     measured = MeasuredCosts(
         key["fingerprint"], key["input_shapes"], key["dtype"], key["mode"], key["device"], key["torch_version"],
-        segs, spread(segs, order, [modelled[n] for n in order]), time.perf_counter() - begin,
-        recompute=setup.recompute)
+        segs, seconds, time.perf_counter() - begin, recompute=setup.recompute, stage_overhead=overhead)
     if cache is not None and rank == 0:
         cache.save(measured, count)
     return measured
@@ -131,3 +140,46 @@ def _share(work: Callable[[], dict[int, StageTiming]], group: Any, world: int) -
     for part in parts:
         merged.update(part)
     return merged
+
+
+def _from_kernels(plan: Any, timings: list[StageTiming], mode: str,
+                  modelled: dict[str, float]) -> tuple[dict[str, float], float]:
+    """Per-node seconds from the segments' kernel times, and the fixed cost of a stage; see
+    [Note: segments]."""
+    host_scale = _host_scale(plan, timings) if mode == "eager" else 0.0
+    seconds: dict[str, float] = {}
+    excess = []
+    for stage, timing in zip(plan.stages, timings):
+        nodes = timing.nodes
+        own = {}
+        for n in stage.nodes:
+            f, b = nodes.device.get(n, (0.0, 0.0))
+            if mode == "eager":
+                hf, hb = nodes.host.get(n, (0.0, 0.0))
+                f, b = max(f, host_scale * hf), max(b, host_scale * hb)
+            own[n] = f + b
+        # What no node claimed (gradient accumulation, ...) goes to the nodes by their share.
+        lost = sum(nodes.unattributed)
+        total = sum(own.values())
+        weights = own if total > 0 else {n: modelled.get(n, 0.0) for n in stage.nodes}
+        norm = sum(weights.values()) or 1.0
+        for n in stage.nodes:
+            seconds[n] = own.get(n, 0.0) + lost * weights.get(n, 0.0) / norm
+        excess.append(timing.seconds - sum(seconds[n] for n in stage.nodes))
+    return seconds, max(statistics.median(excess), 0.0) if excess else 0.0
+
+
+def _host_scale(plan: Any, timings: list[StageTiming]) -> float:
+    """The factor on the profiler's host times that best predicts the eager segment timings as
+    the sum over nodes of max(device, factor x host), per direction (relative error)."""
+    best, best_err = 1.0, float("inf")
+    for scale in [i / 20 for i in range(1, 41)]:  # 0.05 .. 2.0
+        err = 0.0
+        for stage, timing in zip(plan.stages, timings):
+            nodes = timing.nodes
+            pred = sum(max(nodes.device.get(n, (0.0, 0.0))[d], scale * nodes.host.get(n, (0.0, 0.0))[d])
+                       for n in stage.nodes for d in (0, 1))
+            err += abs(pred - timing.seconds) / max(timing.seconds, 1e-12)
+        if err < best_err:
+            best, best_err = scale, err
+    return best

@@ -34,6 +34,7 @@ import torch
 import torch.nn as nn
 
 from autopipe.emit import emit_stages
+from autopipe.measure.kernels import NodeTimes, node_times
 from autopipe.errors import ProfileError
 from autopipe.partition.device import EXECUTION_MODES, _materialise
 from autopipe.partition.plan import PartitionPlan
@@ -76,6 +77,7 @@ class RunSetup:
 class StageTiming:
     forward: float  # median seconds, one micro-batch
     backward: float
+    nodes: NodeTimes | None = None  # per-node kernel times, when asked for
 
     @property
     def seconds(self) -> float:
@@ -91,8 +93,13 @@ def device_name(device: torch.device | str) -> str:
 
 
 def time_stages(traced: TracedModel, plan: PartitionPlan, setup: RunSetup,
-                indices: Iterable[int] | None = None) -> dict[int, StageTiming]:
-    """Seconds of each stage in ``indices`` (default all), timed as [Note: stage timing] says."""
+                indices: Iterable[int] | None = None, *, kernels: bool = False) -> dict[int, StageTiming]:
+    """Seconds of each stage in ``indices`` (default all), timed as [Note: stage timing] says;
+    with ``kernels``, each node's own times too ([Note: node times from kernels]; not for
+    compiled modes, whose fused kernels belong to no single node)."""
+    if kernels and setup.mode.startswith("compiled"):
+        raise ProfileError(f"per-node kernel times cannot be read in mode {setup.mode!r}: compiled "
+                           "kernels fuse several nodes")
     wanted = set(range(plan.num_stages) if indices is None else indices)
     last_needed = max(wanted, default=-1)
     stages = emit_stages(traced, plan, range(last_needed + 1))
@@ -104,6 +111,10 @@ def time_stages(traced: TracedModel, plan: PartitionPlan, setup: RunSetup,
             stage = _prepare(stages.pop(i), setup, last=last)
             grads = [i > 0 and x.is_floating_point() for x in inputs]
             out[i], outputs = _time(stage, inputs, grads, setup)
+            if kernels:
+                nodes = node_times(stage, inputs, grads, setup.device, setup.compute_dtype,
+                                   reps=max(2, setup.reps // 3), recompute=setup.recompute)
+                out[i] = StageTiming(out[i].forward, out[i].backward, nodes)
         else:  # only feeds the next stage: eager, no gradients
             stage = _prepare(stages.pop(i), RunSetup(setup.device, "eager", setup.compute_dtype), last=last)
             with torch.no_grad():

@@ -17,13 +17,14 @@ backward pass:
   they move, in factors of four from 256 KiB to 64 MiB (small kernels do not reach full
   bandwidth).
 
-Two more numbers: the GPU time each launched kernel adds (its tail and the gap before the next,
-what CUDA graph replays still pay) and the host time each launched node costs in eager mode
-(Python, dispatch, launch; forward and autograd backward). In eager mode a node takes the
-longer of its GPU time and its host time, since the host runs ahead of the device where it can.
+More numbers: the GPU time each launched kernel adds (its tail and the gap before the next,
+what CUDA graph replays still pay), the host time each launched node costs in eager mode
+(Python, dispatch, launch; forward and autograd backward) and the fixed time of a stage in
+each mode (its first launch, autograd's start). In eager mode a node takes the longer of its
+GPU time and its host time, since the host runs ahead of the device where it can.
 
 The factors are fitted by ``benchmarks/calibrate_device.py`` from the measured forward and
-backward times of small segments of real models (non-negative least squares on relative
+backward kernel times of every node of real models (non-negative least squares on relative
 error; see that script), and kept as data beside this module (``calibration/<device>.json``)
 with the fit's error on models it was not fitted on.
 """
@@ -75,6 +76,7 @@ class Calibration:
     factors: dict[str, tuple[float, float]]  # class -> (forward, backward) multiplier of roofline time
     launch: tuple[float, float]  # GPU seconds per launched kernel (forward, backward)
     host: tuple[float, float]  # host seconds per launched node in eager mode (forward, backward)
+    stage: dict[str, float] = field(default_factory=dict)  # execution mode -> a stage's fixed seconds
     fit: dict[str, Any] = field(default_factory=dict)  # how it was made and its error
     schema: int = SCHEMA_VERSION
 
@@ -97,7 +99,8 @@ class Calibration:
             if bad:
                 raise ValueError(f"negative or non-finite factors for {', '.join(bad)}")
             return cls(str(data["device"]), factors, tuple(map(float, data["launch"])),
-                       tuple(map(float, data["host"])), dict(data.get("fit", {})))
+                       tuple(map(float, data["host"])), {str(k): float(v) for k, v in data.get("stage", {}).items()},
+                       dict(data.get("fit", {})))
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise ConfigError(f"not a calibration table: {exc}") from exc
 

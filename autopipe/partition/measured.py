@@ -66,6 +66,7 @@ class MeasuredCosts:
     node_seconds: dict[str, float]  # per node, forward + backward
     profile_seconds: float = 0.0  # wall time the profiling took
     recompute: bool = False  # stages ran with activation checkpointing
+    stage_overhead: float = 0.0  # seconds a stage takes beyond its nodes' (see [Note: segments])
     schema: int = SCHEMA_VERSION
 
     @property
@@ -107,7 +108,8 @@ class MeasuredCosts:
             raise ValueError(f"node seconds not finite and >= 0 for {', '.join(bad[:3])}")
         return cls(str(data["fingerprint"]), [list(map(int, s)) for s in data["input_shapes"]],
                    str(data["dtype"]), str(data["mode"]), str(data["device"]), str(data["torch_version"]),
-                   segments, nodes, float(data.get("profile_seconds", 0.0)), bool(data.get("recompute", False)))
+                   segments, nodes, float(data.get("profile_seconds", 0.0)), bool(data.get("recompute", False)),
+                   float(data.get("stage_overhead", 0.0)))
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the profile as JSON (atomically: a reader never sees half a file)."""

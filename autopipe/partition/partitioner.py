@@ -406,6 +406,12 @@ def _partition(
         mode = "split_points:" + ",".join(balance)
 
     times = balancer.overlapped_stage_times(compute, starts, cut_time, cut_latency)
+    c = measured.stage_overhead if measured is not None else \
+        profile.calibration.stage.get(profile.mode, 0.0) if profile.calibration is not None else 0.0
+    if c > 0:
+        # The same for every stage, so no cut moves for it; stage times are what a stage takes.
+        times = [balancer.StageTime(t.compute + c, t.comm, t.latency, max(t.compute + c, t.comm) + t.latency)
+                 for t in times]
     plan = _build_plan(traced, nodes, costs, times, dag, starts, state, profile, activation_dtype,
                        pp=pp, chunks=chunks, tp=tp, microbatches=microbatches, mode=mode,
                        schedule=schedule, in_flight=in_flight, model_name=model_name)
