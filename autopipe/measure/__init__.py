@@ -56,7 +56,8 @@ def measured_plan(traced: TracedModel, setup: RunSetup, partition_args: dict[str
                   closed_loop: bool = True, group: Any = None) -> PartitionPlan:
     """Profile ``traced`` as ``setup`` runs it (or take ``measured``), cut it with
     ``partition(traced, **partition_args)`` on the measured costs, then time the stages and cut
-    again while they are unbalanced. Collective when torch.distributed is initialised."""
+    again while they are unbalanced ([Note: closed loop]). Collective when torch.distributed is
+    initialised."""
     if measured is None:
         cache = ProfileCache(options.cache_dir) if options.cache else None
         measured = profile_graph(traced, dataclasses.replace(setup, reps=options.reps, warmup=options.warmup),
@@ -69,8 +70,40 @@ def measured_plan(traced: TracedModel, setup: RunSetup, partition_args: dict[str
     if not closed_loop:
         return plan
     timing = dataclasses.replace(setup, reps=options.reps, warmup=options.warmup)
-    return refine(
-        plan, measured.node_seconds, target=options.target, rounds=options.rounds,
-        measure=lambda p: time_plan(traced, p, timing, group),
-        replan=lambda seconds: partition(traced, measured=dataclasses.replace(measured, node_seconds=seconds),
-                                         **partition_args))
+    group_of = _groups(traced, measured)
+
+    def replan(factors: list[float]) -> PartitionPlan:
+        seconds = {n: s * factors[group_of[n]] for n, s in measured.node_seconds.items()}
+        return partition(traced, measured=dataclasses.replace(measured, node_seconds=seconds), **partition_args)
+
+    return refine(plan, groups=len(measured.segments), target=options.target, rounds=options.rounds,
+                  planned=lambda p: _planned(traced, p, measured.node_seconds, group_of),
+                  measure=lambda p: time_plan(traced, p, timing, group), replan=replan)
+
+
+def _groups(traced: TracedModel, measured: MeasuredCosts) -> dict[str, int]:
+    """Node name -> the profile segment it was timed in."""
+    order = [n.name for n in traced.gm.graph.nodes if n.op != "output"]
+    return {order[i]: k for k, seg in enumerate(measured.segments) for i in range(seg.start, seg.end)}
+
+
+def _planned(traced: TracedModel, plan: PartitionPlan, seconds: dict[str, float],
+             group_of: dict[str, int]) -> list[dict[int, float]]:
+    """Each stage's profiled seconds by segment group; an MLP piece counts its share of its node."""
+    from autopipe.partition import mlp_pieces
+
+    piece_of = {}
+    if plan.mlp_pieces:
+        split = mlp_pieces.split_mlps(traced, plan.mlp_pieces)
+        piece_of = {n.name: n.meta[mlp_pieces.PIECE_OF] for n in split.gm.graph.nodes
+                    if mlp_pieces.PIECE_OF in n.meta}
+    out = []
+    for stage in plan.stages:
+        by_group: dict[int, float] = {}
+        for n in stage.nodes:
+            whole, share = piece_of.get(n, (n, 1.0))
+            if whole in seconds:
+                k = group_of[whole]
+                by_group[k] = by_group.get(k, 0.0) + share * seconds[whole]
+        out.append(by_group)
+    return out

@@ -28,6 +28,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 __all__ = ["NodeTimes", "node_times"]
@@ -54,12 +55,14 @@ class _Ranges(fx.Interpreter):
         return super().run_node(n)
 
 
-def _device_us(e: Any) -> float:
-    return float(getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0) or 0.0)
-
-
-def _count_kernels(e: Any) -> int:
-    return len(getattr(e, "kernels", ())) + sum(_count_kernels(c) for c in e.cpu_children)
+def _launched(e: Any) -> list[float]:
+    """Durations (us) of the device work launched under ``e``: kernels, copies and fills. A range's
+    own GPU annotation (its span on the device, gaps included) is not work and is left out."""
+    own = [k.duration for k in getattr(e, "kernels", ())
+           if k.name != e.name and not k.name.startswith((_PREFIX, "autograd::"))]
+    for c in e.cpu_children:
+        own += _launched(c)
+    return own
 
 
 def _one_pass(stage: fx.GraphModule, inputs: Sequence[torch.Tensor], seeds: list[torch.Tensor] | None,
@@ -86,14 +89,15 @@ def _parse(events: Any, *, cuda: bool) -> dict[str, Any]:
     owner: dict[int, str] = {}
     fwd: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])  # device us, host us, kernels
     bwd: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
-    stack = []
+    events = [e for e in events if e.device_type == DeviceType.CPU]  # not the device-side annotations
     for e in events:
         if e.name.startswith(_PREFIX):
             name = e.name[len(_PREFIX):]
+            work = _launched(e) if cuda else [e.cpu_time_total]
             cell = fwd[name]
-            cell[0] += _device_us(e) if cuda else e.cpu_time_total
+            cell[0] += sum(work)
             cell[1] += e.cpu_time_total
-            cell[2] += _count_kernels(e) if cuda else 1
+            cell[2] += len(work)
             stack = list(e.cpu_children)
             while stack:
                 c = stack.pop()
@@ -104,15 +108,15 @@ def _parse(events: Any, *, cuda: bool) -> dict[str, Any]:
     for e in events:
         if not e.name.startswith(_BACKWARD):
             continue
-        spent = _device_us(e) if cuda else e.cpu_time_total
+        work = _launched(e) if cuda else [e.cpu_time_total]
         name = owner.get(e.sequence_nr)
         if name is None:
-            lost[1] += spent
+            lost[1] += sum(work)
             continue
         cell = bwd[name]
-        cell[0] += spent
+        cell[0] += sum(work)
         cell[1] += e.cpu_time_total
-        cell[2] += _count_kernels(e) if cuda else 1
+        cell[2] += len(work)
     return {"fwd": dict(fwd), "bwd": dict(bwd), "lost": lost}
 
 
