@@ -10,7 +10,9 @@ the host does around it:
   so every forward kernel falls under the node that launched it;
 - the forward ops inside a node's range carry autograd sequence numbers, and the backward
   functions autograd evaluates carry the same numbers, so every backward kernel is traced
-  back to its node too;
+  back to its node too. An op records the number the next autograd node will get whether or
+  not it makes one (``nn.Dropout(0.0)`` returns its input and makes none), so the number
+  belongs to the last op that recorded it: the one that made the node;
 - what no node claims (gradient accumulation into ``.grad``, the engine's own kernels) is
   returned as ``unattributed`` and spread by the caller.
 The host time of each node (its range, its backward functions) is read the same way: in eager
@@ -89,7 +91,10 @@ def _parse(events: Any, *, cuda: bool) -> dict[str, Any]:
     owner: dict[int, str] = {}
     fwd: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])  # device us, host us, kernels
     bwd: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
-    events = [e for e in events if e.device_type == DeviceType.CPU]  # not the device-side annotations
+    claims: list[tuple[float, int, str]] = []
+    # Not the device-side annotations; in the order the ops began, so that of the ops recording one
+    # autograd sequence number the last is the one that made the node (see the Note).
+    events = sorted((e for e in events if e.device_type == DeviceType.CPU), key=lambda e: e.time_range.start)
     for e in events:
         if e.name.startswith(_PREFIX):
             name = e.name[len(_PREFIX):]
@@ -102,8 +107,10 @@ def _parse(events: Any, *, cuda: bool) -> dict[str, Any]:
             while stack:
                 c = stack.pop()
                 if c.sequence_nr >= 0:
-                    owner.setdefault(c.sequence_nr, name)
+                    claims.append((c.time_range.start, c.sequence_nr, name))
                 stack.extend(c.cpu_children)
+    for _, seq, name in sorted(claims, key=lambda c: c[0]):
+        owner[seq] = name
     lost = [0.0, 0.0]
     for e in events:
         if not e.name.startswith(_BACKWARD):

@@ -25,6 +25,8 @@ others still run their forward to feed the next): ranks share the work this way.
 from __future__ import annotations
 
 import copy
+import gc
+import itertools
 import statistics
 import time
 from dataclasses import dataclass
@@ -43,7 +45,9 @@ from autopipe.runtime.p2p import TensorSpec
 from autopipe.runtime.weight_casts import WeightCasts
 from autopipe.tracer import TracedModel
 
-__all__ = ["RunSetup", "StageTiming", "time_stages", "device_name"]
+__all__ = ["RunSetup", "StageTiming", "time_stages", "device_name", "WARM_SECONDS"]
+
+WARM_SECONDS = 0.05  # warm-up passes run at least this long (and at least RunSetup.warmup of them)
 
 
 @dataclass(frozen=True)
@@ -180,18 +184,32 @@ def _time(stage: nn.Module, inputs: Sequence[torch.Tensor], grads: Sequence[bool
             graphs.release(slot)
 
     clock = _Clock(setup.device)
-    for _ in range(setup.warmup):
+    # Warm for a while, not a count of passes: a GPU left idle (while the host emitted and
+    # captured this stage) clocks down, and a stage of a millisecond needs many passes to
+    # bring it back. No garbage collection inside the timed passes.
+    warm_until = time.perf_counter() + WARM_SECONDS
+    for i in itertools.count(1):
         backward(*forward())
+        if i >= setup.warmup:
+            clock.sync()
+            if time.perf_counter() >= warm_until:
+                break
     fwd, bwd = [], []
-    for _ in range(setup.reps):
-        t0 = clock.mark()
-        slot, outs = forward()
-        t1 = clock.mark()
-        backward(slot, outs)
-        t2 = clock.mark()
-        fwd.append((t0, t1))
-        bwd.append((t1, t2))
-    clock.sync()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(setup.reps):
+            t0 = clock.mark()
+            slot, outs = forward()
+            t1 = clock.mark()
+            backward(slot, outs)
+            t2 = clock.mark()
+            fwd.append((t0, t1))
+            bwd.append((t1, t2))
+        clock.sync()
+    finally:
+        if gc_was_enabled:
+            gc.enable()
     timing = StageTiming(statistics.median(clock.seconds(a, b) for a, b in fwd),
                          statistics.median(clock.seconds(a, b) for a, b in bwd))
     for p in stage.parameters():

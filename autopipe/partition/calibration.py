@@ -10,12 +10,12 @@ kernel, a factor that multiplies the roofline time, one for the forward and one 
 backward pass:
 
 - GEMMs and convolutions by the smallest dimension of their (implicit) GEMM, in powers of two
-  (``gemm/64`` holds GEMMs whose smallest of M, N, K is in (32, 64]); a depthwise convolution
-  has N = 1 and lands in the first class;
+  (``gemm/64`` holds GEMMs whose smallest of M, N, K is in (32, 64]); depthwise convolutions,
+  which run on vector units, by the bytes they move;
 - attention kernels in one class;
 - memory-bound kernels (norms, elementwise, reductions, copies) by their kind and the bytes
   they move, in factors of four from 256 KiB to 64 MiB (small kernels do not reach full
-  bandwidth).
+  bandwidth); batch norms (statistics over the batch: several passes) apart from row norms.
 
 More numbers: the GPU time each launched kernel adds (its tail and the gap before the next,
 what CUDA graph replays still pay), the host time each launched node costs in eager mode
@@ -60,12 +60,15 @@ def _bytes_label(b: int) -> str:
 
 def class_of(cost: NodeCost, *, backward: bool = False) -> str:
     """The calibration class of one launched kernel (a node, or a part of a composite one)."""
+    nbytes = cost.bwd_bytes if backward else cost.fwd_bytes
     if cost.kind in MATMUL_KINDS:
+        if cost.family == "dwconv":  # memory-bound: by bytes, as the vector kernels
+            return f"dwconv/{_bucket(nbytes, BYTE_BOUNDS, _bytes_label)}"
         if cost.family in ("gemm", "conv") and cost.min_dim > 0:
             return f"{cost.family}/{_bucket(cost.min_dim, DIM_BOUNDS)}"
         return cost.kind  # attention, or a GEMM whose shape the rule could not tell
-    nbytes = cost.bwd_bytes if backward else cost.fwd_bytes
-    return f"{cost.kind}/{_bucket(nbytes, BYTE_BOUNDS, _bytes_label)}"
+    kind = f"{cost.kind}:{cost.family}" if cost.family else cost.kind
+    return f"{kind}/{_bucket(nbytes, BYTE_BOUNDS, _bytes_label)}"
 
 
 @dataclass(frozen=True)

@@ -92,8 +92,9 @@ class NodeCost:
     kind: str = "elementwise"
     parts: tuple[NodeCost, ...] = ()
     # What a calibration table keys its efficiencies on (see partition/calibration.py):
-    # ``family`` is "gemm", "conv" or "" (other kernels); ``min_dim`` the smallest of a GEMM's
-    # M, N and K (a conv's implicit GEMM: output channels per group and C_in/groups x kernel).
+    # ``family`` is "gemm", "conv", "dwconv" (depthwise), "batch" or "row" (norms by what they
+    # normalise over) or "" (other kernels); ``min_dim`` the smallest of a GEMM's M, N and K (a
+    # conv's implicit GEMM: output channels per group and C_in/groups x kernel).
     family: str = ""
     min_dim: int = 0
 
@@ -233,9 +234,12 @@ def _conv(op: _Op) -> _Work:
         transposed = op.name.startswith("conv_transpose") or (
             op.name in ("convolution", "_convolution") and bool(op.arg(6, "transposed")))
     # The implicit GEMM's N (output channels per group) and K (input channels per group x kernel).
-    per_group = w.shape[1] if transposed else w.shape[0] // max(_groups(op), 1)
+    groups = max(_groups(op), 1)
+    per_group = w.shape[1] if transposed else w.shape[0] // groups
+    # A depthwise conv (one input channel per group) runs on vector units, memory-bound.
+    depthwise = groups > 1 and (w.shape[0] if transposed else w.shape[1]) == 1
     return _Work("matmul", _conv_flops(x, w, op.out_tensor, transposed), saved=op.floating_bytes(),
-                 family="conv", min_dim=int(min(per_group, math.prod(w.shape[1:]))))
+                 family="dwconv" if depthwise else "conv", min_dim=int(min(per_group, math.prod(w.shape[1:]))))
 
 
 def _groups(op: _Op) -> int:
@@ -324,7 +328,8 @@ def _norm(op: _Op) -> _Work:
     x = op.arg(0, "input")
     stats = 1 if isinstance(op.module, nn.RMSNorm) or "rms" in op.name else 2
     saved = tensor_bytes(x) + stats * _STAT_BYTES * _norm_groups(op, x)
-    return _Work("norm", 5.0 * op.out_tensor.numel(), saved=saved)
+    batch = isinstance(op.module, nn.modules.batchnorm._BatchNorm) or "batch_norm" in op.name
+    return _Work("norm", 5.0 * op.out_tensor.numel(), saved=saved, family="batch" if batch else "row")
 
 
 def _dropout(op: _Op) -> _Work:
