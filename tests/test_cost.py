@@ -1,10 +1,11 @@
-import dataclasses
 """Tests of autopipe.partition.cost and autopipe.partition.device.
 
 Graphs come from a local fixture (symbolic tracing + value propagation, or torch.export), so
 these tests do not depend on autopipe.tracer. FLOPs are checked against FlopCounterMode.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import inspect
 import operator
