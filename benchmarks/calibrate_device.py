@@ -48,21 +48,61 @@ PRIOR_WEIGHT = 0.01  # pull of each factor towards the median factor, against ro
 
 
 # ---------------------------------------------------------------------------------- collect
-def collect(models: list[str], microbatches: list[int], reps: int, out: str, device: str = "cuda",
-            image_size: int | None = None, segments: int = 16) -> None:
-    import torch
-
-    from autopipe.measure import RunSetup, segment_starts, time_stages
-    from autopipe.measure.timer import device_name
-    from autopipe.models import default_input, load_model
+def rows_from_profiles(traced: Any, graphs: Any, eager: Any, model: str, microbatch: int) -> tuple[list, list]:
+    """Calibration rows of one model: a row per node (its kernels' device time from the CUDA-graph
+    profile, its host time from the eager one, its roofline terms by class) and a row per profile
+    segment (its own timings in both modes). The two profiles must share their segments."""
     from autopipe.partition.calibration import kernel_features
     from autopipe.partition.cost import graph_costs
     from autopipe.partition.device import PROFILES
-    from autopipe.partition.partitioner import partition_at
+
+    if [(s.start, s.end) for s in graphs.segments] != [(s.start, s.end) for s in eager.segments]:
+        raise ValueError("the graphs and eager profiles were cut into different segments")
+    base = PROFILES["h100"]
+    costs = graph_costs(traced.gm)
+    order = [n.name for n in traced.gm.graph.nodes if n.op != "output"]
+    nodes: list[dict[str, Any]] = []
+    segs: list[dict[str, Any]] = []
+    for k, (sg, se) in enumerate(zip(graphs.segments, eager.segments)):
+        ids = []
+        for name in order[sg.start:sg.end]:
+            dev, host = graphs.node_detail.get(name), eager.node_detail.get(name)
+            row: dict[str, Any] = {"model": model, "microbatch": microbatch, "node": name}
+            for direction, i in (("fwd", 0), ("bwd", 1)):
+                kernels = kernel_features(costs[name], base, backward=bool(i))
+                feats: dict[str, float] = defaultdict(float)
+                for cls, seconds in kernels:
+                    feats[cls] += seconds
+                row[direction] = {"features": dict(feats), "kernels": len(kernels),
+                                  "device": dev[i] if dev else 0.0, "host": host[2 + i] if host else 0.0,
+                                  "kernels_seen": int(dev[4 + i]) if dev else 0}
+            ids.append(len(nodes))
+            nodes.append(row)
+        segs.append({"model": model, "microbatch": microbatch, "segment": k, "nodes": ids,
+                     "graphs": sg.seconds, "eager": se.seconds})
+    return nodes, segs
+
+
+def write_rows(path: str, nodes: list, segs: list, device: str) -> None:
+    import torch
+
+    meta = {"device": device, "torch": torch.__version__, "dtype": "bfloat16",
+            "date": datetime.date.today().isoformat(), "models": sorted({r["model"] for r in nodes}),
+            "microbatches": sorted({r["microbatch"] for r in nodes}), "host": platform.node()}
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "nodes": nodes, "segments": segs}, f)
+
+
+def collect(models: list[str], microbatches: list[int], reps: int, out: str, device: str = "cuda",
+            image_size: int | None = None) -> None:
+    import torch
+
+    from autopipe.measure import RunSetup, profile_graph
+    from autopipe.measure.timer import device_name
+    from autopipe.models import default_input, load_model
     from autopipe.tracer import trace
 
     dev = torch.device(device)
-    base = PROFILES["h100"]
     nodes: list[dict[str, Any]] = []
     segs: list[dict[str, Any]] = []
     for name in models:
@@ -70,39 +110,14 @@ def collect(models: list[str], microbatches: list[int], reps: int, out: str, dev
             begin = time.perf_counter()
             model = load_model(name if ":" in name else f"timm:{name}", image_size=image_size)
             traced = trace(model, (default_input(model, mb, image_size=image_size),))
-            costs = graph_costs(traced.gm)
-            plan = partition_at(traced, segment_starts(traced, segments, base), device=base,
-                                activation_dtype=torch.bfloat16)
-            eager = time_stages(traced, plan, RunSetup(dev, "eager", torch.bfloat16, reps=reps), kernels=True)
-            graphs = time_stages(traced, plan, RunSetup(dev, "graphs", torch.bfloat16, reps=reps)) \
-                if dev.type == "cuda" else eager
-            for i, stage in enumerate(plan.stages):
-                times = eager[i].nodes
-                ids = []
-                for n in stage.nodes:
-                    row: dict[str, Any] = {"model": name, "microbatch": mb, "node": n}
-                    for direction, k in (("fwd", 0), ("bwd", 1)):
-                        kernels = kernel_features(costs[n], base, backward=bool(k))
-                        feats: dict[str, float] = defaultdict(float)
-                        for cls, seconds in kernels:
-                            feats[cls] += seconds
-                        row[direction] = {"features": dict(feats), "kernels": len(kernels),
-                                          "device": times.device.get(n, (0.0, 0.0))[k],
-                                          "host": times.host.get(n, (0.0, 0.0))[k],
-                                          "kernels_seen": times.kernels.get(n, (0, 0))[k]}
-                    ids.append(len(nodes))
-                    nodes.append(row)
-                segs.append({"model": name, "microbatch": mb, "segment": i, "nodes": ids,
-                             "eager": eager[i].seconds, "graphs": graphs[i].seconds,
-                             "unattributed": sum(times.unattributed)})
-            print(f"{name} mb={mb}: {len(costs)} nodes, {plan.num_stages} segments in "
-                  f"{time.perf_counter() - begin:.1f} s", flush=True)
-            del model, traced
-    meta = {"device": device_name(dev), "torch": torch.__version__, "dtype": "bfloat16",
-            "date": datetime.date.today().isoformat(), "reps": reps, "models": models,
-            "microbatches": microbatches, "host": platform.node()}
-    with open(out, "w") as f:
-        json.dump({"meta": meta, "nodes": nodes, "segments": segs}, f)
+            profiles = {mode: profile_graph(traced, RunSetup(dev, mode, torch.bfloat16, reps=reps))
+                        for mode in (("graphs", "eager") if dev.type == "cuda" else ("eager",))}
+            n, s = rows_from_profiles(traced, profiles.get("graphs", profiles["eager"]), profiles["eager"], name, mb)
+            offset = len(nodes)
+            nodes += n
+            segs += [dict(x, nodes=[i + offset for i in x["nodes"]]) for x in s]
+            print(f"{name} mb={mb}: {len(n)} nodes in {time.perf_counter() - begin:.1f} s", flush=True)
+    write_rows(out, nodes, segs, device_name(dev))
     print(f"wrote {len(nodes)} nodes, {len(segs)} segments to {out}")
 
 
@@ -221,7 +236,8 @@ def report(nodes: list[dict], segs: list[dict], meta: dict[str, Any]) -> dict[st
         for parts in (4, 8):
             loo: list[float] = []
             per_model: dict[str, float] = {}
-            for held in sorted({s["model"] for s in segs}):
+            held_out = sorted({s["model"] for s in segs})
+            for held in held_out if len(held_out) > 1 else ():
                 keep_n = [r for r in nodes if r["model"] != held]
                 train_segs = [dict(s, nodes=_renumber(s, nodes, keep_n)) for s in segs if s["model"] != held]
                 m = fit(keep_n, train_segs)
@@ -231,7 +247,8 @@ def report(nodes: list[dict], segs: list[dict], meta: dict[str, Any]) -> dict[st
                 e = _stage_errors(test_segs, _segment_prediction(test_n, test_segs, m, mode), t_meas, parts)
                 loo += e
                 per_model[held] = float(np.max(e))
-            errors[mode]["leave_one_model_out"][f"{parts}_stages"] = {**_summary(loo), "max_by_model": per_model}
+            if loo:
+                errors[mode]["leave_one_model_out"][f"{parts}_stages"] = {**_summary(loo), "max_by_model": per_model}
     return {
         "schema": 1, "device": meta["device"], "launch": model["launch"], "host": model["host"],
         "factors": model["factors"], "stage": model["overhead"],

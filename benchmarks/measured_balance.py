@@ -44,6 +44,9 @@ from autopipe.partition.device import PROFILES  # noqa: E402
 from autopipe.partition.partitioner import partition  # noqa: E402
 from autopipe.tracer import trace  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import calibrate_device  # noqa: E402
+
 MODELS = {
     "resnet50": "ResNet-50", "resnet152": "ResNet-152", "convnext_base": "ConvNeXt-B",
     "swin_base_patch4_window7_224": "Swin-B", "vit_base_patch16_224": "ViT-B/16",
@@ -58,13 +61,15 @@ def _imbalance(times: list[float]) -> float:
 
 
 def run_case(name: str, traced: Any, mb: int, mode: str, layouts: tuple, reps: int, plans: set[str],
-             device: str = "cuda") -> list[dict[str, Any]]:
+             device: str = "cuda", profiles: dict | None = None) -> list[dict[str, Any]]:
     setup = RunSetup(torch.device(device), mode, torch.bfloat16, reps=reps)
     rows: list[dict[str, Any]] = []
     cache = ProfileCache(tempfile.mkdtemp(prefix="autopipe-bench-"))
     begin = time.perf_counter()
     measured = profile_graph(traced, setup, cache=cache) if "measured" in plans else None
     profile_s = time.perf_counter() - begin
+    if profiles is not None and measured is not None:
+        profiles[mode] = measured
     begin = time.perf_counter()
     again = profile_graph(traced, setup, cache=cache) if measured is not None else None
     cached_s = time.perf_counter() - begin
@@ -91,7 +96,7 @@ def run_case(name: str, traced: Any, mb: int, mode: str, layouts: tuple, reps: i
             plan = measured_plan(traced, setup, dict(args, device=calibrated), measured=measured,
                                  options=MeasureOptions(reps=reps))
             loop_s = time.perf_counter() - begin
-            times = time_plan(traced, plan, setup)  # timed again, apart from the loop's own timings
+            times = [s.measured_time for s in plan.stages]  # the loop's own timing of the plan it kept
             predicted = [s.compute_time for s in plan.stages]
             row["measured"] = {
                 "modelled_ms": [t * 1e3 for t in predicted], "measured_ms": [t * 1e3 for t in times],
@@ -147,16 +152,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run (eager only)")
     parser.add_argument("--image-size", type=int, default=None)
+    parser.add_argument("--calibration-rows", metavar="PATH",
+                        help="also write the profiles' node times as rows for calibrate_device.py fit")
     args = parser.parse_args(argv)
     layouts = tuple(tuple(int(v) for v in x.split("x")) for x in args.layouts.split(","))
     rows: list[dict[str, Any]] = []
+    cal_nodes: list[dict[str, Any]] = []
+    cal_segs: list[dict[str, Any]] = []
     for name in args.models.split(","):
         for mb in (int(x) for x in args.microbatch.split(",")):
             model = load_model(f"timm:{name}", image_size=args.image_size)
             traced = trace(model, (default_input(model, mb, image_size=args.image_size),))
+            profiles: dict[str, Any] = {}
             for mode in args.modes.split(","):
                 rows += run_case(name, traced, mb, mode, layouts, args.reps, set(args.plans.split(",")),
-                                 args.device)
+                                 args.device, profiles)
+            if args.calibration_rows and {"graphs", "eager"} <= profiles.keys():
+                n, s = calibrate_device.rows_from_profiles(traced, profiles["graphs"], profiles["eager"], name, mb)
+                offset = len(cal_nodes)
+                cal_nodes += n
+                cal_segs += [dict(x, nodes=[i + offset for i in x["nodes"]]) for x in s]
+                calibrate_device.write_rows(args.calibration_rows, cal_nodes, cal_segs, device_name(args.device))
                 with open(args.out, "w") as f:  # after every case: a run cut short keeps what it did
                     json.dump({"device": device_name(args.device), "torch": torch.__version__,
                                "date": datetime.date.today().isoformat(), "rows": rows}, f, indent=1)

@@ -96,13 +96,19 @@ def profile_graph(traced: TracedModel, setup: RunSetup, *, segments: int | None 
     ends = starts[1:] + [len(order)]
     segs = [Segment(a, b, timings[i].forward, timings[i].backward) for i, (a, b) in enumerate(zip(starts, ends))]
     modelled = analytic_seconds(traced, analytic)
+    detail: dict[str, list[float]] = {}
     if by_kernels:
-        seconds, overhead = _from_kernels(plan, [timings[i] for i in range(plan.num_stages)], setup.mode, modelled)
+        stage_timings = [timings[i] for i in range(plan.num_stages)]
+        seconds, overhead = _from_kernels(plan, stage_timings, setup.mode, modelled)
+        for t in stage_timings:
+            for n, (f, b) in t.nodes.device.items():
+                detail[n] = [f, b, *t.nodes.host[n], *t.nodes.kernels[n]]
     else:
         seconds, overhead = spread(segs, order, [modelled[n] for n in order]), 0.0
     measured = MeasuredCosts(
         key["fingerprint"], key["input_shapes"], key["dtype"], key["mode"], key["device"], key["torch_version"],
-        segs, seconds, time.perf_counter() - begin, recompute=setup.recompute, stage_overhead=overhead)
+        segs, seconds, time.perf_counter() - begin, recompute=setup.recompute, stage_overhead=overhead,
+        node_detail=detail)
     if cache is not None and rank == 0:
         cache.save(measured, count)
     return measured

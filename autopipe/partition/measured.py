@@ -67,6 +67,9 @@ class MeasuredCosts:
     profile_seconds: float = 0.0  # wall time the profiling took
     recompute: bool = False  # stages ran with activation checkpointing
     stage_overhead: float = 0.0  # seconds a stage takes beyond its nodes' (see [Note: segments])
+    # Per node, where kernel times were read: [device fwd, device bwd, host fwd, host bwd,
+    # kernels fwd, kernels bwd] (seconds, counts); what a calibration is fitted from.
+    node_detail: dict[str, list[float]] = field(default_factory=dict)
     schema: int = SCHEMA_VERSION
 
     @property
@@ -109,7 +112,8 @@ class MeasuredCosts:
         return cls(str(data["fingerprint"]), [list(map(int, s)) for s in data["input_shapes"]],
                    str(data["dtype"]), str(data["mode"]), str(data["device"]), str(data["torch_version"]),
                    segments, nodes, float(data.get("profile_seconds", 0.0)), bool(data.get("recompute", False)),
-                   float(data.get("stage_overhead", 0.0)))
+                   float(data.get("stage_overhead", 0.0)),
+                   {str(k): [float(x) for x in v] for k, v in data.get("node_detail", {}).items()})
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the profile as JSON (atomically: a reader never sees half a file)."""
