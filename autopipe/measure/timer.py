@@ -123,7 +123,8 @@ def time_stages(traced: TracedModel, plan: PartitionPlan, setup: RunSetup,
             stage = _prepare(stages.pop(i), RunSetup(setup.device, "eager", setup.compute_dtype), last=last)
             with torch.no_grad():
                 outputs = stage(*inputs)
-        inputs = tuple(t.detach() for t in outputs)
+        # What the next stage receives: a contiguous copy, as the pipeline's receive buffers are.
+        inputs = tuple(t.detach().contiguous() for t in outputs)
         del stage
     return out
 

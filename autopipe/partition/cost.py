@@ -94,7 +94,7 @@ class NodeCost:
     # What a calibration table keys its efficiencies on (see partition/calibration.py):
     # ``family`` is "gemm", "conv", "dwconv" (depthwise), "batch" or "row" (norms by what they
     # normalise over) or "" (other kernels); ``min_dim`` the smallest of a GEMM's M, N and K (a
-    # conv's implicit GEMM: output channels per group and C_in/groups x kernel).
+    # conv's channels in or out per group: a stem's 3 input channels starve it whatever its kernel).
     family: str = ""
     min_dim: int = 0
 
@@ -239,7 +239,7 @@ def _conv(op: _Op) -> _Work:
     # A depthwise conv (one input channel per group) runs on vector units, memory-bound.
     depthwise = groups > 1 and (w.shape[0] if transposed else w.shape[1]) == 1
     return _Work("matmul", _conv_flops(x, w, op.out_tensor, transposed), saved=op.floating_bytes(),
-                 family="dwconv" if depthwise else "conv", min_dim=int(min(per_group, math.prod(w.shape[1:]))))
+                 family="dwconv" if depthwise else "conv", min_dim=int(min(per_group, w.shape[1])))
 
 
 def _groups(op: _Op) -> int:
@@ -329,7 +329,10 @@ def _norm(op: _Op) -> _Work:
     stats = 1 if isinstance(op.module, nn.RMSNorm) or "rms" in op.name else 2
     saved = tensor_bytes(x) + stats * _STAT_BYTES * _norm_groups(op, x)
     batch = isinstance(op.module, nn.modules.batchnorm._BatchNorm) or "batch_norm" in op.name
-    return _Work("norm", 5.0 * op.out_tensor.numel(), saved=saved, family="batch" if batch else "row")
+    # A batch norm's parallelism is its channels (one reduction over N x H x W each): 64
+    # channels over large maps leave most of a GPU idle, whatever the bytes.
+    return _Work("norm", 5.0 * op.out_tensor.numel(), saved=saved, family="batch" if batch else "row",
+                 min_dim=_norm_groups(op, x) if batch else 0)
 
 
 def _dropout(op: _Op) -> _Work:
@@ -357,7 +360,7 @@ def _pool(max_pool: bool) -> Rule:
     def rule(op: _Op) -> _Work:
         x = op.arg(0, "input")
         saved = tensor_bytes(x) + (8 * op.out_tensor.numel() if max_pool else 0)
-        return _Work("reduction", x.numel(), saved=saved)
+        return _Work("reduction", x.numel(), saved=saved, family="pool")
 
     return rule
 
