@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gzip
 import json
 import math
 import os
@@ -44,7 +45,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODELS = ["resnet50", "resnet152", "convnext_base", "swin_base_patch4_window7_224", "vit_base_patch16_224",
           "vit_large_patch16_224", "efficientnet_b0"]
 MICROBATCHES = (32, 128)
-PRIOR_WEIGHT = 0.01  # pull of each factor towards the median factor, against rows weighted 1
+PRIOR_WEIGHT = 0.01  # pull of each factor towards the median factor, against the rows
+WEIGHT_POWER = 0.5  # rows weighted by 1 / measured ** this
 
 
 # ---------------------------------------------------------------------------------- collect
@@ -122,6 +124,31 @@ def collect(models: list[str], microbatches: list[int], reps: int, out: str, dev
 
 
 # ---------------------------------------------------------------------------------- fit
+def refeature(nodes: list[dict]) -> None:
+    """Recompute every row's roofline terms with this checkout's cost model (the models are
+    traced again here on the meta device; the measured times are kept)."""
+    from autopipe.models import default_input, load_model
+    from autopipe.partition.calibration import kernel_features
+    from autopipe.partition.cost import graph_costs
+    from autopipe.partition.device import PROFILES
+    from autopipe.tracer import trace
+
+    base = PROFILES["h100"]
+    costs: dict[tuple[str, int], Any] = {}
+    for row in nodes:
+        key = (row["model"], row["microbatch"])
+        if key not in costs:
+            model = load_model(key[0] if ":" in key[0] else f"timm:{key[0]}")
+            costs[key] = graph_costs(trace(model, (default_input(model, key[1]),)).gm)
+        cost = costs[key][row["node"]]
+        for direction, backward in (("fwd", False), ("bwd", True)):
+            kernels = kernel_features(cost, base, backward=backward)
+            feats: dict[str, float] = defaultdict(float)
+            for cls, seconds in kernels:
+                feats[cls] += seconds
+            row[direction]["features"], row[direction]["kernels"] = dict(feats), len(kernels)
+
+
 def _design(rows: list[dict], direction: str, classes: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """(A, measured): A[row, class] roofline seconds, last column the kernels the model launches."""
     index = {c: i for i, c in enumerate(classes)}
@@ -138,19 +165,20 @@ def _design(rows: list[dict], direction: str, classes: list[str]) -> tuple[np.nd
 
 
 def _nnls_relative(a: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Non-negative least squares with each row weighted by 1 / measured ** WEIGHT_POWER (1:
+    relative error, which underweights the large kernels that set a stage's time; 0: absolute),
+    every factor pulled lightly towards the median factor."""
     from scipy.optimize import nnls
 
     keep = (y > 0) & (a[:, :-1].sum(axis=1) > 0)
-    w = 1.0 / y[keep]
+    w = 1.0 / y[keep] ** WEIGHT_POWER
     aw, yw = a[keep] * w[:, None], y[keep] * w
     first, _ = nnls(aw, yw, maxiter=5000)
     factors = first[:-1]
-    used = (a[keep][:, :-1] > 0).any(axis=0)
-    prior = float(np.median(factors[used & (factors > 0)])) if (used & (factors > 0)).any() else 1.0
-    # Pull every factor towards the median, relatively (classes seen in few rows stay sensible);
-    # the launch term is free.
+    used = (a[keep][:, :-1] > 0).any(axis=0) & (factors > 0)
+    prior = float(np.median(factors[used])) if used.any() else 1.0
     n = a.shape[1]
-    weight = PRIOR_WEIGHT * math.sqrt(len(yw))
+    weight = PRIOR_WEIGHT * math.sqrt(len(yw)) * float(np.sqrt(np.mean(yw ** 2)))
     reg = np.zeros((n - 1, n))
     reg[:, : n - 1] = np.eye(n - 1) * weight / prior
     sol, _ = nnls(np.vstack([aw, reg]), np.concatenate([yw, np.full(n - 1, weight)]), maxiter=5000)
@@ -276,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     f = sub.add_parser("fit")
     f.add_argument("rows", nargs="+")
     f.add_argument("--name", required=True, help="profile name: writes autopipe/partition/calibration/NAME.json")
+    f.add_argument("--stored-features", action="store_true",
+                   help="fit the roofline terms stored in the rows instead of recomputing them with this "
+                        "checkout's cost model (the default: the table must match the model that reads it)")
     args = parser.parse_args(argv)
     if args.cmd == "collect":
         collect(args.models.split(","), [int(x) for x in args.microbatch.split(",")], args.reps, args.out,
@@ -283,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     nodes, segs, meta = [], [], None
     for path in args.rows:
-        with open(path) as fh:
+        with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as fh:
             data = json.load(fh)
         offset = len(nodes)
         nodes += data["nodes"]
@@ -292,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     if meta is None:
         raise SystemExit("no rows given")
     meta["models"] = sorted({r["model"] for r in nodes})
+    if not args.stored_features:
+        refeature(nodes)
     table = report(nodes, segs, meta)
     from autopipe.partition.calibration import CALIBRATION_DIR
 
