@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 import tempfile
 from typing import Any, Callable, Sequence
 
@@ -391,6 +390,42 @@ class _Functional(nn.Module):
 def test_what_cannot_be_deferred_is_refused(model: Callable[[], nn.Module], kwargs: dict, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         autopipe.parallelize(model(), (torch.zeros(2, 3, 8, 8),), microbatches=1, loss_fn=_loss, **kwargs)
+
+
+_ATEN = torch.ops.aten
+
+
+@pytest.mark.parametrize("op,stats,tail,refused", [
+    (_ATEN._native_batch_norm_legit.default, True, (True, 0.1, 1e-5), True),
+    (_ATEN._native_batch_norm_legit.default, True, (False, 0.1, 1e-5), False),
+    (_ATEN._native_batch_norm_legit.no_stats, False, (True, 0.1, 1e-5), False),
+    (_ATEN._native_batch_norm_legit_no_training.default, True, (0.1, 1e-5), False),
+    (_ATEN._batch_norm_with_update.default, True, (0.1, 1e-5), True),
+    (_ATEN._batch_norm_no_update.default, True, (0.1, 1e-5), False),
+    (_ATEN.batch_norm.default, True, (True, 0.1, 1e-5, False), True),
+], ids=["legit-training", "legit-eval", "legit-no-stats", "legit-no-training", "with-update", "no-update",
+        "batch-norm"])
+def test_aten_batch_norms_that_update_running_statistics_are_refused(op: Any, stats: bool, tail: tuple,
+                                                                      refused: bool) -> None:
+    """What torch.export leaves where a batch norm is not a module call: a graph of ATen ops."""
+    import torch.fx as fx
+
+    from autopipe.runtime.batchnorm import check_batchnorm
+
+    root = nn.Module()
+    root.register_buffer("mean", torch.zeros(4))
+    root.register_buffer("var", torch.ones(4))
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    running = (graph.get_attr("mean"), graph.get_attr("var")) if stats else ()
+    graph.output(graph.call_function(op, (x, None, None, *running, *tail)))
+    gm = fx.GraphModule(root, graph)
+    if refused:
+        with pytest.raises(ConfigError, match=rf"calls {op._schema.name.split('::')[1]} in training mode"):
+            check_batchnorm(gm, "deferred")
+    else:
+        check_batchnorm(gm, "deferred")
+    check_batchnorm(gm, "microbatch")
 
 
 def test_refused_models_run_with_per_microbatch_statistics() -> None:

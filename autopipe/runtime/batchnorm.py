@@ -47,20 +47,6 @@ __all__ = ["MODES", "BatchNormStats", "check_batchnorm"]
 MODES = ("deferred", "sync", "microbatch")
 _SUMS, _COUNTS, _HOOK = "autopipe_sums", "autopipe_counts", "_autopipe_hook"
 
-# Functional batch norms that update running statistics: op name -> (index of running_mean,
-# index of the training flag, or None where the op always trains).
-_FUNCTIONAL = {
-    "batch_norm": (3, 5),  # torch.batch_norm / aten.batch_norm
-    "native_batch_norm": (3, 5),
-    "_native_batch_norm_legit": (3, 5),
-    "_native_batch_norm_legit_functional": (3, 5),
-    "cudnn_batch_norm": (3, 5),
-    "miopen_batch_norm": (3, 5),
-    "_batch_norm_with_update": (3, None),
-    "_batch_norm_with_update_functional": (3, None),
-}
-
-
 def _is_tracked(m: nn.Module) -> bool:
     """A BatchNorm layer that keeps running statistics (or kept them before an earlier install)."""
     return isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is not None \
@@ -117,9 +103,10 @@ def check_batchnorm(gm: fx.GraphModule | None, mode: str, *, cuda_graphs: bool =
                             f"{_op_name(node)} in training mode on running statistics of its own, not through "
                             "a BatchNorm module: compute it with an nn.BatchNorm module")
     if problems:
+        fallback = "" if all("SyncBatchNorm" in p for p in problems) else \
+            "\nOr pass batchnorm='microbatch' (running statistics updated per micro-batch)"
         raise ConfigError(f"batchnorm={mode!r} cannot keep the running statistics of this model:\n"
-                          + "\n".join(f"  - {p}" for p in problems)
-                          + "\nOr pass batchnorm='microbatch' (running statistics updated per micro-batch)")
+                          + "\n".join(f"  - {p}" for p in problems) + fallback)
 
 
 def _op_name(node: fx.Node) -> str:
@@ -134,17 +121,25 @@ def _arg(node: fx.Node, index: int, name: str, default: object = None) -> object
 
 
 def _updates_running_stats(node: fx.Node) -> bool:
-    """A functional batch norm in training mode on running statistics (it updates them)."""
+    """A functional batch norm that updates running statistics: ``F.batch_norm`` or
+    ``torch.batch_norm`` with ``training=True``, or an ATen batch-norm op (torch.export's
+    ``_native_batch_norm_legit``, ``_batch_norm_with_update``...) in training on running statistics."""
     if node.op != "call_function":
         return False
     if node.target is torch.nn.functional.batch_norm:
-        return _arg(node, 1, "running_mean") is not None and _arg(node, 5, "training", False) is not False
-    where = _FUNCTIONAL.get(_op_name(node))
-    if where is None:
-        return False
-    stats, flag = where
-    training = True if flag is None else _arg(node, flag, "training", True)
-    return _arg(node, stats, "running_mean") is not None and training is not False
+        where, default = {"running_mean": 1, "training": 5}, False
+    elif node.target is torch.batch_norm:
+        where, default = {"running_mean": 3, "training": 5}, False
+    else:
+        schema = getattr(node.target, "_schema", None)
+        names = [a.name for a in schema.arguments] if schema is not None and "batch_norm" in schema.name else []
+        if "running_mean" not in names:
+            return False  # not a batch norm, or one without running statistics (no_stats)
+        if "training" not in names:  # _batch_norm_with_update updates, *_no_update and *_no_training do not
+            return "with_update" in schema.name and _arg(node, names.index("running_mean"), "running_mean") is not None
+        where, default = {n: names.index(n) for n in ("running_mean", "training")}, True
+    training = _arg(node, where["training"], "training", default)
+    return _arg(node, where["running_mean"], "running_mean") is not None and training is not False
 
 
 def _unsupported(m: nn.Module, mode: str, honours: dict[type, bool]) -> str | None:
