@@ -8,7 +8,7 @@ inputs of the step concatenated: the update that one process running the whole b
 layer makes (mean, unbiased variance, momentum or cumulative average, num_batches_tracked). With
 one group of the whole batch it is plain one-process training on that batch.
 
-Everything is fp64 with one thread per process, and compared at rtol = atol = 1e-10.
+Everything is fp64 and compared at rtol = atol = 1e-10.
 """
 from __future__ import annotations
 
