@@ -24,6 +24,7 @@ from .mesh import ParallelDims, build_mesh, default_device
 from .model import ParallelModel, StageRuntime
 from .partition.mlp_pieces import split_mlps as cut_mlps
 from .partition.partitioner import partition
+from .runtime.batchnorm import BatchNormStats, check_batchnorm
 from .runtime.schedule import SCHEDULES, validate
 from .tracer import trace
 
@@ -68,6 +69,7 @@ def parallelize(
     cuda_graphs: bool = False,
     split_mlps: bool = True,
     compile_stages: bool = False,
+    batchnorm: str = "deferred",
 ) -> ParallelModel:
     """Parallelize ``model`` over the processes torchrun started; returns a :class:`ParallelModel`.
 
@@ -86,6 +88,12 @@ def parallelize(
     and checkpoints keep the model's own names. ``compile_stages=True`` compiles each stage's
     graph with ``torch.compile`` (inductor fuses the norms, activations and casts between the
     GEMMs; the first step pays the compilation; see [Note: compiled stages]).
+    ``batchnorm`` says what BatchNorm layers compute in train() (docs/batchnorm.md): "deferred"
+    (default) normalises each micro-batch with its own statistics and updates the running
+    statistics once per ``train_step``, from the whole batch of every dp replica; "sync" also
+    normalises each micro-batch over the dp replicas together (SyncBatchNorm semantics; with
+    ``microbatches=1``, one process on the global batch); "microbatch" updates them once per
+    micro-batch on each replica, as an unmodified stage does.
     """
     # 1. Local checks: every rank raises the same error before any collective.
     if isinstance(example_inputs, torch.Tensor):
@@ -104,6 +112,7 @@ def parallelize(
     world = dist.get_world_size() if dist.is_initialized() else 1
     dims = ParallelDims(pp, tp, world)
     _check(loss_fn, schedule, pp, chunks, microbatches, mixed_precision)
+    check_batchnorm(None, batchnorm, cuda_graphs=cuda_graphs)
     device = torch.device(device) if device is not None else default_device()
     rank = dist.get_rank() if dist.is_initialized() else 0
     pp_rank, dp_rank, tp_rank = dims.coords(rank)
@@ -142,6 +151,7 @@ def parallelize(
         activation_dtype=_PRECISIONS[mixed_precision], split_mlps=split_mlps,
     )
     traced = cut_mlps(traced, plan.mlp_pieces)  # the graph the plan names
+    check_batchnorm(traced.gm, batchnorm)
 
     # 5. Mesh (the first collective).
     mesh = build_mesh(dims, device)
@@ -153,11 +163,12 @@ def parallelize(
     # 6. This rank's stages.
     local = [s.index for s in plan.stages if s.pp_rank == pp_rank]
     stages = {i: m.to(device) for i, m in emit_stages(traced, plan, local).items()}
+    norms = BatchNormStats.install(stages.values(), batchnorm, mesh.dp_group, dims.dp)
 
     runtime = StageRuntime(
         plan=plan, traced=traced, stages=stages, mesh=mesh, schedule=schedule, loss_fn=loss_fn,
         compute_dtype=_PRECISIONS[mixed_precision], activation_checkpointing=activation_checkpointing,
         deadline=deadline, record_timeline=record_timeline, cuda_graphs=cuda_graphs,
-        compile_stages=compile_stages,
+        compile_stages=compile_stages, batchnorm=norms,
     )
     return ParallelModel(model, runtime, shard_plan=shard_plan, fp16=mixed_precision == "fp16")

@@ -17,7 +17,9 @@ depend on the layout, a checkpoint loads into any pp x dp x tp layout of the sam
 An MLP cut across stages (plan.mlp_pieces) is saved as its pieces, ``model.<name>[a:b]``
 (rows a to b) or ``model.<name>[:,a:b]`` (columns), and ``optim.<name>[a:b].<state>``, written
 by the ranks holding them; loads rebuild the full tensor from whatever pieces were saved and
-cut what this layout holds.
+cut what this layout holds. BatchNorm running statistics are saved as committed: saves happen
+between steps, when deferred statistics (runtime/batchnorm.py) are folded in and their per-step
+sums, non-persistent buffers, are zero; so a resumed run continues as the uninterrupted one.
 
 A save writes a fresh ``ckpt-<id>`` directory, the ranks agree that every write succeeded,
 and only then rank 0 points ``latest`` at it and deletes the older directories. A save that

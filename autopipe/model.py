@@ -23,6 +23,7 @@ from .errors import CheckpointError, InputError
 from .mesh import Mesh
 from .partition.mlp_pieces import merge_pieces, take_piece
 from .partition.plan import PartitionPlan
+from .runtime.batchnorm import BatchNormStats
 from .runtime.driver import PipelineDriver
 from .runtime.p2p import TensorSpec
 from .runtime.timeline import Timeline
@@ -38,7 +39,7 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def _wrap_forward(stage: nn.Module, *, device_type: str, compute_dtype: torch.dtype | None,
-                  cast_outputs: bool, recompute: bool) -> None:
+                  cast_outputs: bool, recompute: bool, norms: BatchNormStats | None = None) -> None:
     """Run the stage under autocast and/or activation checkpointing; send activations in the
     compute dtype. The instance attribute shadows the generated ``forward``, so parameter names
     and the module tree stay those of the plan."""
@@ -56,12 +57,19 @@ def _wrap_forward(stage: nn.Module, *, device_type: str, compute_dtype: torch.dt
 
     if recompute:
         def contexts() -> tuple[Any, Any]:
-            return contextlib.nullcontext(), _running_stats_kept(stage)
+            return contextlib.nullcontext(), _recomputation(stage, norms)
 
         stage.forward = functools.wraps(inner)(
             lambda *xs: checkpoint(run, *xs, use_reentrant=False, context_fn=contexts))
     else:
         stage.forward = run
+
+
+@contextlib.contextmanager
+def _recomputation(stage: nn.Module, norms: BatchNormStats | None) -> Iterator[None]:
+    """A checkpointed forward run again in backward: BatchNorm statistics must not count twice."""
+    with _running_stats_kept(stage), norms.paused() if norms is not None else contextlib.nullcontext():
+        yield
 
 
 @contextlib.contextmanager
@@ -113,6 +121,7 @@ class StageRuntime:
     record_timeline: bool = False
     cuda_graphs: bool = False
     compile_stages: bool = False
+    batchnorm: BatchNormStats | None = None  # deferred running statistics (runtime/batchnorm.py)
 
     def __post_init__(self) -> None:
         plan, last = self.plan, self.plan.num_stages - 1
@@ -132,7 +141,8 @@ class StageRuntime:
                 stage.forward = torch.compile(stage.forward, dynamic=False)
             if self.compute_dtype is not None or self.activation_checkpointing:
                 _wrap_forward(stage, device_type=self.mesh.device.type, compute_dtype=self.compute_dtype,
-                              cast_outputs=i != last, recompute=self.activation_checkpointing)
+                              cast_outputs=i != last, recompute=self.activation_checkpointing,
+                              norms=self.batchnorm)
         self.timeline = Timeline(self.mesh.rank, cuda_events=self.mesh.device.type == "cuda") \
             if self.record_timeline else None
         self.loss_scale: float = 1.0  # the fp16 dynamic loss scale
@@ -283,8 +293,10 @@ class ParallelModel:
             )
         self._runtime.grad_scale = float(grad_scale)
         self._refresh_weight_casts()
+        norms = self._runtime.batchnorm  # see [Note: deferred batch norm]
         try:
-            result = self._runtime.driver.train_step(inputs, targets, return_outputs=return_outputs)
+            with norms.step() if norms is not None else contextlib.nullcontext():
+                result = self._runtime.driver.train_step(inputs, targets, return_outputs=return_outputs)
         finally:
             self._runtime.grad_scale = 1.0
         if self._shard_plan is not None and self._shard_plan.sequence_parallel_params:

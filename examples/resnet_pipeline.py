@@ -63,10 +63,11 @@ def main() -> None:
     data = load_data(args.data)
 
     model = torchvision.models.resnet18(num_classes=10)
-    # BatchNorm statistics are per micro-batch: in train mode each micro-batch is normalised by its
-    # own mean and variance, and the running statistics are updated once per micro-batch (as under
-    # gradient accumulation, and per replica as under DDP without SyncBatchNorm). So BatchNorm sees
-    # batches of --batch-size / --microbatches samples: keep that large enough for stable statistics.
+    # In train mode each micro-batch is normalised by its own mean and variance (as under gradient
+    # accumulation, and per replica as under DDP without SyncBatchNorm), so BatchNorm normalises
+    # batches of --batch-size / --microbatches samples: keep that large enough. The running
+    # statistics are updated once per step from the whole batch of every replica (the default,
+    # batchnorm="deferred"; docs/batchnorm.md).
     split = {}
     if args.split == "manual":
         split = dict(exec_sequence=EXEC_SEQUENCE, balance=SPLIT_POINTS[args.pp])

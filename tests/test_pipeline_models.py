@@ -20,8 +20,9 @@ Modes. The parameter comparison runs in eval() (dropout off, BatchNorm on runnin
 BatchNorm test trains the ResNet in train(): a pipeline stage only ever sees one micro-batch,
 so BatchNorm normalises with per-micro-batch statistics and updates its running stats once
 per micro-batch (m times per step). Its reference does the same, one micro-batch at a time in
-train(); parameters AND running_mean / running_var / num_batches_tracked are compared. See
-docs/batchnorm.md. The dropout test checks that ``pm.train()`` / ``pm.eval()`` reach the
+train(); parameters AND running_mean / running_var / num_batches_tracked are compared. It runs
+with ``batchnorm="microbatch"`` (deferred statistics, the default, are tests/test_batchnorm.py's).
+See docs/batchnorm.md. The dropout test checks that ``pm.train()`` / ``pm.eval()`` reach the
 dropout of every stage.
 
 Valid schedules (``autopipe.runtime.schedule.validate``): with chunks = 1, gpipe, 1f1b and
@@ -216,7 +217,8 @@ def _run_config(rank: int, pp: int, cfg: tuple, refs: dict) -> dict:
     dtype = DTYPE
     model = _build(name, opt).eval()
     pm = autopipe.parallelize(model, (torch.zeros(BATCH // M, 3, 32, 32, dtype=dtype),), pp=pp,
-                              chunks=chunks, schedule=schedule, microbatches=M, loss_fn=_loss, deadline=120)
+                              chunks=chunks, schedule=schedule, microbatches=M, loss_fn=_loss, deadline=120,
+                              batchnorm="microbatch")
     if kind == "dropout":
         return {"dropout": _dropout_run(pm)}
     pm.train(kind == "bn")  # parameters: dropout-free eval(); bn: per-micro-batch statistics

@@ -402,7 +402,8 @@ def test_activation_checkpointing_updates_batchnorm_statistics_once_per_micro_ba
         torch.manual_seed(0)
         model = MODELS["tv_resnet"]()
         pm = autopipe.parallelize(model, (torch.randn(2, 3, 32, 32),), microbatches=4, chunks=2,
-                                  schedule="gpipe", loss_fn=F.cross_entropy, activation_checkpointing=recompute)
+                                  schedule="gpipe", loss_fn=F.cross_entropy, activation_checkpointing=recompute,
+                                  batchnorm="microbatch")
         pm.train()
         g = torch.Generator().manual_seed(1)
         pm.train_step(torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g))

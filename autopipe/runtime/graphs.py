@@ -14,8 +14,14 @@ backward frees it. What leaves a graph is copied out (outputs, the input gradien
 the previous stage), and parameter gradients are added into ``.grad`` tensors that exist
 before the first backward, so nothing outside a graph aliases its memory.
 
-Limits: stages with collectives inside (tp > 1) are not captured; BatchNorm running
-statistics see the capture's warm-up passes; dropout draws through the graph-safe generator.
+Capture runs each slot's forward and backward a few times on stand-in inputs first; the stage's
+buffers (BatchNorm's running statistics, the sums of deferred statistics) are restored after
+capture, so those passes leave no trace. A captured forward replays every in-place update it
+made: BatchNorm's own (``batchnorm="microbatch"``) or the collection of deferred statistics into
+buffers that the end of the step reads and zeroes in place (see [Note: deferred batch norm]).
+
+Limits: stages with collectives inside (tp > 1, ``batchnorm="sync"``) are not captured; dropout
+draws through the graph-safe generator.
 """
 from __future__ import annotations
 
@@ -68,10 +74,15 @@ class StageGraphs:
         self.training = stage.training
         self._free = list(range(slots))[::-1]
         self._slots = []
+        buffers = list(stage.buffers())
+        saved = [b.clone() for b in buffers]
         for _ in range(slots):
             sample = stand_in_inputs(input_specs, grad_inputs, device)
             slot = _Slot(stage)
             self._slots.append(torch.cuda.make_graphed_callables(slot, sample, allow_unused_input=True))
+        with torch.no_grad():  # in place: the graphs read and write these very tensors
+            for b, s in zip(buffers, saved):
+                b.copy_(s)
         self._grads_ready = False
 
     def usable(self) -> bool:

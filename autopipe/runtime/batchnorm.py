@@ -1,0 +1,315 @@
+"""BatchNorm as one batch: running statistics over the whole mini-batch, committed once per step.
+
+[Note: deferred batch norm]
+A pipeline stage sees one micro-batch at a time. torch's BatchNorm would update its running
+statistics once per micro-batch, ``m`` momentum steps of ``B / m`` samples each. With
+``batchnorm="deferred"`` (the default) each tracked BatchNorm layer of a stage instead
+* normalises with the micro-batch's statistics, as before: ``track_running_stats`` is set to
+  False, which makes torch's forward (and timm's ``BatchNormAct2d``, a copy of it) use batch
+  statistics and leave the buffers alone in train(), and still use the running statistics in
+  eval();
+* collects, in a forward pre-hook, the micro-batch's per-channel mean and biased variance into
+  preallocated buffers (``autopipe_sums``: the sums over micro-batches of ``mean - running_mean``,
+  of its square and of the variance; ``autopipe_counts``: micro-batches and elements). Only
+  in-place tensor ops, so a CUDA graph replays them and a compiled stage keeps them in its graph;
+* at the end of ``train_step`` (``BatchNormStats.commit``), combines them into the mean and the
+  unbiased variance of the whole mini-batch, gathers them over the dp replicas (one all-gather
+  per step, combined by sample counts as in Chan's parallel variance), and updates
+  ``running_mean``, ``running_var`` and ``num_batches_tracked`` once, with torch's momentum
+  rule (``momentum=None``: the cumulative average).
+The result is what one process computes if every BatchNorm layer updates its running statistics
+from its inputs of the whole global batch at once, while its outputs are normalised per
+micro-batch. Shifting by the running mean (fixed during a step) keeps the sums of squares small,
+so fp32 loses nothing to cancellation; the buffers are non-persistent: never in a checkpoint,
+and zero between steps.
+
+What must not count: ``eval_step`` (collection is on only inside ``train_step``), the recompute of
+activation checkpointing (``paused()``, entered by the recompute's context), the warm-up passes of
+compiled stages and of CUDA graph capture (both restore every buffer of the stage afterwards). A
+step that fails discards what it collected.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Iterable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn as nn
+
+from autopipe.errors import ConfigError
+from autopipe.graph import MODULE_KEY
+
+__all__ = ["MODES", "BatchNormStats", "check_batchnorm"]
+
+MODES = ("deferred", "sync", "microbatch")
+_SUMS, _COUNTS, _HOOK = "autopipe_sums", "autopipe_counts", "_autopipe_hook"
+
+def _is_tracked(m: nn.Module) -> bool:
+    """A BatchNorm layer that keeps running statistics (or kept them before an earlier install)."""
+    return isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is not None \
+        and (m.track_running_stats or hasattr(m, _HOOK))
+
+
+def tracked_norms(modules: Iterable[nn.Module]) -> list[nn.modules.batchnorm._BatchNorm]:
+    """The BatchNorm layers among ``modules`` that keep running statistics, each once."""
+    out, seen = [], set()
+    for m in modules:
+        if _is_tracked(m) and id(m) not in seen:
+            seen.add(id(m))
+            out.append(m)
+    return out
+
+
+def _uninstall(m: nn.modules.batchnorm._BatchNorm) -> None:
+    """Undo an earlier install on ``m`` (the model was parallelized before): its own forward,
+    per-micro-batch updates, no collection."""
+    handle = getattr(m, _HOOK, None)
+    if handle is not None:
+        handle.remove()
+        del m._autopipe_hook
+    m.__dict__.pop("forward", None)
+    m.track_running_stats = True
+
+
+# ----------------------------------------------------------------------------- checks
+def check_batchnorm(gm: fx.GraphModule | None, mode: str, *, cuda_graphs: bool = False) -> None:
+    """Raise ConfigError where ``mode`` cannot hold for the traced model ``gm`` (None: check the
+    option alone). Every rank holds the whole graph, so every rank raises the same error."""
+    if mode not in MODES:
+        raise ConfigError(f"batchnorm={mode!r}; use 'deferred' (running statistics of the whole batch, the "
+                          "default), 'sync' (normalise over the dp replicas too) or 'microbatch' (per "
+                          "micro-batch, as each stage computes by itself); see docs/batchnorm.md")
+    if mode == "sync" and cuda_graphs:
+        raise ConfigError("batchnorm='sync' with cuda_graphs=True: stages with collectives inside are not "
+                          "captured; use batchnorm='deferred' or cuda_graphs=False")
+    if mode == "microbatch" or gm is None:
+        return
+    problems, honours = [], {}
+    for name, m in gm.named_modules():
+        if isinstance(m, nn.SyncBatchNorm):
+            problems.append(f"'{name}' is an nn.SyncBatchNorm, whose collectives span its own process group "
+                            "(the world by default) while the pipeline ranks run other stages: keep the "
+                            "model's nn.BatchNorm layers and pass batchnorm='sync'")
+        elif _is_tracked(m):
+            problem = _unsupported(m, mode, honours)
+            if problem:
+                problems.append(f"'{name}' ({type(m).__name__}) {problem}")
+    for node in gm.graph.nodes:
+        if _updates_running_stats(node):
+            problems.append(f"node '{node.name}' (in module '{node.meta.get(MODULE_KEY, '')}') calls "
+                            f"{_op_name(node)} in training mode on running statistics of its own, not through "
+                            "a BatchNorm module: compute it with an nn.BatchNorm module")
+    if problems:
+        fallback = "" if all("SyncBatchNorm" in p for p in problems) else \
+            "\nOr pass batchnorm='microbatch' (running statistics updated per micro-batch)"
+        raise ConfigError(f"batchnorm={mode!r} cannot keep the running statistics of this model:\n"
+                          + "\n".join(f"  - {p}" for p in problems) + fallback)
+
+
+def _op_name(node: fx.Node) -> str:
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None:
+        return schema.name.split("::")[-1]
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def _arg(node: fx.Node, index: int, name: str, default: object = None) -> object:
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
+
+
+def _updates_running_stats(node: fx.Node) -> bool:
+    """A functional batch norm that updates running statistics: ``F.batch_norm`` or
+    ``torch.batch_norm`` with ``training=True``, or an ATen batch-norm op (torch.export's
+    ``_native_batch_norm_legit``, ``_batch_norm_with_update``...) in training on running statistics."""
+    if node.op != "call_function":
+        return False
+    if node.target is torch.nn.functional.batch_norm:
+        where, default = {"running_mean": 1, "training": 5}, False
+    elif node.target is torch.batch_norm:
+        where, default = {"running_mean": 3, "training": 5}, False
+    else:
+        schema = getattr(node.target, "_schema", None)
+        names = [a.name for a in schema.arguments] if schema is not None and "batch_norm" in schema.name else []
+        if "running_mean" not in names:
+            return False  # not a batch norm, or one without running statistics (no_stats)
+        if "training" not in names:  # _batch_norm_with_update updates, *_no_update and *_no_training do not
+            return "with_update" in schema.name and _arg(node, names.index("running_mean"), "running_mean") is not None
+        where, default = {n: names.index(n) for n in ("running_mean", "training")}, True
+    training = _arg(node, where["training"], "training", default)
+    return _arg(node, where["running_mean"], "running_mean") is not None and training is not False
+
+
+def _unsupported(m: nn.Module, mode: str, honours: dict[type, bool]) -> str | None:
+    """Why ``m`` cannot be deferred (or synchronised), or None. ``honours`` caches the probe by class."""
+    own = type(m).forward is not nn.modules.batchnorm._BatchNorm.forward
+    if mode == "sync" and own and not _is_timm_norm_act(m):
+        return ("has a forward of its own, which batchnorm='sync' cannot reproduce (it handles torch's "
+                "BatchNorm layers and timm's BatchNormAct2d); use batchnorm='deferred'")
+    if own and type(m) not in honours:
+        honours[type(m)] = _honours_track_running_stats(m)
+    if own and not honours[type(m)]:
+        return ("updates its running statistics in train() even with track_running_stats=False, so they "
+                "cannot be deferred")
+    return None
+
+
+def _is_timm_norm_act(m: nn.Module) -> bool:
+    return type(m).__name__ == "BatchNormAct2d" and type(m).__module__.startswith("timm.") \
+        and hasattr(m, "act") and hasattr(m, "drop")
+
+
+def _honours_track_running_stats(m: nn.Module) -> bool:
+    """Run a copy of a BatchNorm subclass with its own forward (timm's BatchNormAct2d...) in train()
+    with ``track_running_stats=False``: its buffers must stay as they were."""
+    like = m.running_mean
+    if like.device.type == "meta":
+        return True
+    probe = copy.deepcopy(m).train()
+    probe.track_running_stats = False
+    before = [b.clone() for b in probe.buffers()]
+    devices = [like.device.index if like.device.index is not None else torch.cuda.current_device()] \
+        if like.device.type == "cuda" else []
+    with torch.no_grad(), torch.random.fork_rng(devices=devices):  # its dropout draws nothing the run would
+        for rank in (4, 3, 5, 2):  # BatchNorm2d first: the common case
+            try:
+                probe(torch.randn(2, like.numel(), *[2] * (rank - 2), dtype=like.dtype).to(like.device))
+                break
+            except (ValueError, RuntimeError, AssertionError):
+                continue
+        else:
+            return True  # no input it accepts: nothing to learn, and its own forward raises in training
+    return all(torch.equal(a, b) for a, b in zip(before, probe.buffers()))
+
+
+# ----------------------------------------------------------------------------- the statistics
+class BatchNormStats:
+    """The deferred running statistics of one rank's BatchNorm layers; see [Note: deferred batch norm].
+
+    Build it with :meth:`install`. ``train_step`` runs inside :meth:`step`; the recompute of
+    activation checkpointing inside :meth:`paused`.
+    """
+
+    def __init__(self, norms: Sequence[nn.modules.batchnorm._BatchNorm], dp_group: dist.ProcessGroup | None,
+                 dp: int) -> None:
+        self.norms = list(norms)
+        self.dp_group, self.dp = dp_group, dp
+        self.collecting = False
+        for m in self.norms:
+            like = m.running_mean
+            m.register_buffer(_SUMS, torch.zeros(3, like.numel(), dtype=like.dtype, device=like.device),
+                              persistent=False)
+            m.register_buffer(_COUNTS, torch.zeros(2, dtype=like.dtype, device=like.device), persistent=False)
+            m.track_running_stats = False  # normalise per micro-batch, leave the buffers to commit()
+            setattr(m, _HOOK, m.register_forward_pre_hook(self._collect))
+
+    @classmethod
+    def install(cls, stages: Iterable[nn.Module], mode: str, dp_group: dist.ProcessGroup | None = None,
+                dp: int = 1) -> BatchNormStats | None:
+        """Defer the running statistics of the BatchNorm layers of ``stages`` (and, for
+        ``mode="sync"`` with dp > 1, normalise them over ``dp_group``); None for "microbatch" or
+        where the stages hold no BatchNorm layer that tracks running statistics. Call it on
+        stages already on their device, after :func:`check_batchnorm` passed."""
+        norms = tracked_norms(m for stage in stages for m in stage.modules())
+        for m in norms:
+            _uninstall(m)
+        if mode == "microbatch" or not norms:
+            return None
+        if mode == "sync" and dp > 1:
+            from autopipe.runtime.sync_batchnorm import synchronise
+
+            for m in norms:
+                synchronise(m, dp_group)
+        return cls(norms, dp_group, dp)
+
+    # ------------------------------------------------------------------------- collection
+    def _collect(self, module: nn.modules.batchnorm._BatchNorm, args: tuple) -> None:
+        if not (self.collecting and module.training):
+            return
+        sums, counts = getattr(module, _SUMS), getattr(module, _COUNTS)
+        x = args[0]
+        with torch.no_grad():
+            var, mean = torch.var_mean(x.detach().to(sums.dtype), dim=[0, *range(2, x.dim())], correction=0)
+            shift = mean - module.running_mean
+            sums[0].add_(shift)
+            sums[1].addcmul_(shift, shift)
+            sums[2].add_(var)
+            counts[0].add_(1)
+            counts[1].add_(x.numel() // x.shape[1])
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """Collect during one ``train_step``; commit at its end, discard if it fails."""
+        self.collecting = True
+        try:
+            yield
+        except BaseException:
+            self.collecting = False
+            self.discard()
+            raise
+        self.collecting = False
+        self.commit()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """A forward that must not count (the recompute of a checkpointed stage)."""
+        previous, self.collecting = self.collecting, False
+        try:
+            yield
+        finally:
+            self.collecting = previous
+
+    @torch.no_grad()
+    def discard(self) -> None:
+        for m in self.norms:
+            getattr(m, _SUMS).zero_()
+            getattr(m, _COUNTS).zero_()
+
+    # ------------------------------------------------------------------------- commit
+    @torch.no_grad()
+    def commit(self) -> None:
+        """Fold what the step collected into the running statistics (collective over dp)."""
+        stats = [self._local(m) for m in self.norms]
+        if self.dp > 1:
+            stats = self._over_replicas(stats)
+        for m, (mean, var, n) in zip(self.norms, stats):
+            if m.training:  # a layer frozen in eval() collected nothing and keeps its statistics
+                _update(m, mean, var * n / (n - 1).clamp_min(1))
+        self.discard()
+
+    @staticmethod
+    def _local(m: nn.modules.batchnorm._BatchNorm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(mean, biased variance, elements per channel) of this replica's mini-batch: the
+        micro-batches are of equal size, so their means and variances weigh alike."""
+        (s1, s2, v), (k, n) = getattr(m, _SUMS), getattr(m, _COUNTS)
+        k = k.clamp_min(1)
+        shift = s1 / k
+        return m.running_mean + shift, (v / k + s2 / k - shift * shift).clamp_min(0), n
+
+    def _over_replicas(self, stats: list[tuple[torch.Tensor, ...]]) -> list[tuple[torch.Tensor, ...]]:
+        """The statistics of the global batch from every replica's, weighted by element counts."""
+        flat = torch.cat([torch.cat([mean, var, n.reshape(1)]) for mean, var, n in stats])
+        parts = [torch.empty_like(flat) for _ in range(self.dp)]
+        dist.all_gather(parts, flat, group=self.dp_group)
+        gathered = torch.stack(parts)  # (dp, sum over layers of 2 C + 1)
+        out, at = [], 0
+        for mean, _, _ in stats:
+            c = mean.numel()
+            means, vars_, ns = gathered[:, at:at + c], gathered[:, at + c:at + 2 * c], gathered[:, at + 2 * c:at + 2 * c + 1]
+            at += 2 * c + 1
+            n = ns.sum()
+            w = ns / n.clamp_min(1)
+            total = (w * means).sum(0)
+            out.append((total, (w * (vars_ + (means - total) ** 2)).sum(0), n))
+        return out
+
+
+def _update(m: nn.modules.batchnorm._BatchNorm, mean: torch.Tensor, var: torch.Tensor) -> None:
+    """torch's running-statistics rule, once: ``r = (1 - f) r + f x`` with f the momentum, or
+    1 / num_batches_tracked for ``momentum=None`` (a cumulative average)."""
+    m.num_batches_tracked.add_(1)
+    f = m.momentum if m.momentum is not None else 1.0 / m.num_batches_tracked.to(mean.dtype)
+    m.running_mean.mul_(1 - f).add_(mean * f)
+    m.running_var.mul_(1 - f).add_(var * f)
