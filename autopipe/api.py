@@ -11,6 +11,7 @@ The steps run in this order, each a function of the last (see ARCHITECTURE):
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -20,6 +21,9 @@ from torch.torch_version import TorchVersion
 
 from .emit import emit_stages
 from .errors import ConfigError
+from .measure import MeasureOptions, RunSetup, measured_plan
+from .partition.device import execution_mode, get_profile
+from .partition.measured import MeasuredCosts
 from .mesh import ParallelDims, build_mesh, default_device
 from .model import ParallelModel, StageRuntime
 from .partition.mlp_pieces import split_mlps as cut_mlps
@@ -43,6 +47,13 @@ def _check(loss_fn: Any, schedule: str, pp: int, chunks: int, microbatches: int,
     if mixed_precision not in _PRECISIONS:
         raise ConfigError(f"mixed_precision={mixed_precision!r}; use None, 'bf16' or 'fp16'")
     validate(schedule, pp, microbatches, chunks)
+
+
+def _check_costs(costs: Any, measure: Any) -> None:
+    if not (isinstance(costs, (MeasuredCosts, os.PathLike)) or isinstance(costs, str)):
+        raise ConfigError(f"costs={costs!r}; use 'analytic', 'measured', a profile file's path or a MeasuredCosts")
+    if measure is not None and not isinstance(measure, MeasureOptions):
+        raise ConfigError(f"measure={measure!r}; pass autopipe.measure.MeasureOptions(...) or None")
 
 
 def parallelize(
@@ -70,6 +81,8 @@ def parallelize(
     split_mlps: bool = True,
     compile_stages: bool = False,
     batchnorm: str = "deferred",
+    costs: str | os.PathLike | MeasuredCosts = "analytic",
+    measure: MeasureOptions | None = None,
 ) -> ParallelModel:
     """Parallelize ``model`` over the processes torchrun started; returns a :class:`ParallelModel`.
 
@@ -94,6 +107,13 @@ def parallelize(
     normalises each micro-batch over the dp replicas together (SyncBatchNorm semantics; with
     ``microbatches=1``, one process on the global batch); "microbatch" updates them once per
     micro-batch on each replica, as an unmodified stage does.
+    ``costs`` says what prices the nodes when cutting: "analytic" (the cost model of ``profile``,
+    calibrated for the GPU where the project has a table), "measured" (the graph timed on this
+    device in the mode it will run, cached on disk, then the emitted stages timed and cut again
+    while unbalanced; collective: ranks share the timing and agree on one plan), or a profile
+    made by ``autopipe profile`` (a path or a MeasuredCosts; see [Note: measured costs]).
+    ``measure`` tunes the measuring (autopipe.measure.MeasureOptions: segments, repetitions, the
+    max/mean target of the closed loop, the cache).
     """
     # 1. Local checks: every rank raises the same error before any collective.
     if isinstance(example_inputs, torch.Tensor):
@@ -112,6 +132,7 @@ def parallelize(
     world = dist.get_world_size() if dist.is_initialized() else 1
     dims = ParallelDims(pp, tp, world)
     _check(loss_fn, schedule, pp, chunks, microbatches, mixed_precision)
+    _check_costs(costs, measure)
     check_batchnorm(None, batchnorm, cuda_graphs=cuda_graphs)
     device = torch.device(device) if device is not None else default_device()
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -133,23 +154,35 @@ def parallelize(
     # 2. Trace.
     traced = trace(model, tuple(example_inputs), leaf_modules=leaf_modules, exec_sequence=exec_sequence)
 
-    # 3. Shard for this tp rank.
+    # 3. Shard for this tp rank. Measured costs time tp rank 0's graph with its collectives
+    # standing in (no group yet, and every rank must time the same graph): a plan names nodes,
+    # which every rank's sharded graph shares.
     shard_plan = None
+    planning_graph = traced
     if tp > 1:
         from .shard import apply_sharding, plan_sharding
 
         shard_plan = plan_sharding(traced, tp, rules=shard_rules, sequence_parallel=sequence_parallel)
-        traced = apply_sharding(traced, shard_plan, tp_rank, group="tp")
+        rank_graph = apply_sharding(traced, shard_plan, tp_rank, group="tp")
+        planning_graph = rank_graph if costs == "analytic" else apply_sharding(traced, shard_plan, 0)
+        traced = rank_graph
 
     # 4. Partition.
-    plan = partition(
-        traced, pp, chunks, tp=tp, microbatches=microbatches, balance=balance,
-        device=profile or ("h100" if device.type == "cuda" else "cpu"), schedule=schedule,
+    mode = execution_mode(cuda_graphs=cuda_graphs, compile_stages=compile_stages)
+    args = dict(
+        pp=pp, chunks=chunks, tp=tp, microbatches=microbatches, balance=balance, schedule=schedule,
+        device=get_profile(profile or ("h100" if device.type == "cuda" else "cpu")).with_mode(mode),
         model_name=type(model).__name__,
         # Under autocast, floating activations cross stage boundaries in the compute dtype (the
         # stages cast them; see model._wrap_forward): the cuts are priced and sized in it.
         activation_dtype=_PRECISIONS[mixed_precision], split_mlps=split_mlps,
     )
+    if costs == "analytic":
+        plan = partition(traced, **args)
+    else:  # see [Note: measured costs]
+        setup = RunSetup(device, mode, _PRECISIONS[mixed_precision], recompute=activation_checkpointing)
+        plan = measured_plan(planning_graph, setup, args, options=measure or MeasureOptions(),
+                             measured=None if costs == "measured" else costs)
     traced = cut_mlps(traced, plan.mlp_pieces)  # the graph the plan names
     check_batchnorm(traced.gm, batchnorm)
 

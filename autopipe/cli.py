@@ -1,19 +1,23 @@
 """The ``autopipe`` command: ``autopipe report MODEL --pp 4 --batch 256 --microbatches 8`` plans a
-model on the meta device and prints the stage table, optionally writing the JSON and a figure.
+model on the meta device and prints the stage table, optionally writing the JSON and a figure;
+``autopipe profile MODEL --batch 256 --out FILE`` times the model on this machine's GPU, and the
+file prices ``autopipe report --costs FILE`` anywhere.
 
 Errors that are the user's to fix (every :class:`AutopipeError`) print one message and exit 2.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 from .errors import AutopipeError, ConfigError
-from .partition.device import PROFILES
+from .partition.device import EXECUTION_MODES, PROFILES
+from .partition.measured import MeasuredCosts
 from .partition.partitioner import BALANCE_MODES
 from .partition.report import plot
-from .planning import plan_model
+from .planning import plan_model, planning_graph
 from .runtime.schedule import SCHEDULES
 
 __all__ = ["main", "build_parser"]
@@ -54,9 +58,67 @@ def build_parser() -> argparse.ArgumentParser:
                         help="pipeline schedule (default 1f1b, interleaved_1f1b when chunks > 1)")
     report.add_argument("--image-size", type=int, default=None, help="input height and width")
     report.add_argument("--mem-cap-gib", type=float, default=None, help="memory cap per stage, GiB")
+    report.add_argument("--mode", choices=EXECUTION_MODES, default=None,
+                        help="how the stages will run (default: the profile's, else eager)")
+    report.add_argument("--costs", metavar="PROFILE",
+                        help="price the nodes by a profile made on the GPU with `autopipe profile` "
+                             "(default: the analytic model of --device)")
     report.add_argument("--json", metavar="PATH", help="write the plan as JSON")
     report.add_argument("--figure", metavar="PATH", help="draw the plan (.png, .svg or .pdf)")
+    _add_profile_parser(sub)
     return parser
+
+
+def _add_profile_parser(sub: Any) -> None:
+    profile = sub.add_parser(
+        "profile",
+        help="time a model's graph on this machine's GPU and write the profile",
+        description="Trace MODEL, time it segment by segment on the GPU in the mode and dtype it will "
+                    "train in, and write the measured profile for `autopipe report --costs` (on any "
+                    "machine) or parallelize(costs=PATH).",
+        epilog="example:\n  autopipe profile timm:vit_large_patch16_224 --batch 256 --microbatches 8 "
+               "--mode graphs --dtype bf16 --out vit_l.profile.json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    profile.add_argument("model", metavar="MODEL", help="timm:NAME, torchvision:NAME, hf:CLASS or package.module:factory")
+    profile.add_argument("--batch", type=int, required=True, help="global batch size")
+    profile.add_argument("--microbatches", type=int, default=1, help="micro-batches per batch (default 1)")
+    profile.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    profile.add_argument("--image-size", type=int, default=None, help="input height and width (default: the model's)")
+    profile.add_argument("--mode", choices=EXECUTION_MODES, default="eager", help="how the stages will run (default eager)")
+    profile.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16", help="compute dtype (default bf16)")
+    profile.add_argument("--recompute", action="store_true", help="stages run with activation checkpointing")
+    profile.add_argument("--segments", type=int, default=None, help="segments to time (default by mode)")
+    profile.add_argument("--device", default="cuda", help="device to time on (default cuda)")
+    profile.add_argument("--out", metavar="PATH", required=True, help="where to write the profile (JSON)")
+
+
+_DTYPES = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
+
+
+def _profile(args: argparse.Namespace) -> None:
+    import torch
+
+    from .measure import ProfileCache, RunSetup, profile_graph
+
+    _check_writable(args.out)
+    dtype = _DTYPES[args.dtype]
+    setup = RunSetup(args.device, args.mode, getattr(torch, dtype) if dtype else None, recompute=args.recompute)
+    traced, name = planning_graph(args.model, tp=args.tp, microbatches=args.microbatches, batch=args.batch,
+                                  image_size=args.image_size)
+    measured = profile_graph(traced, setup, segments=args.segments, cache=ProfileCache())
+    measured.save(args.out)
+    print(f"{name}: {len(measured.node_seconds)} nodes timed in {len(measured.segments)} segments on "
+          f"{measured.device} ({measured.mode}, {measured.dtype}): {measured.total * 1e3:.2f} ms forward+backward "
+          f"per micro-batch, profiled in {measured.profile_seconds:.1f} s")
+    print(f"profile written to {args.out}")
+
+
+def _check_writable(path: str) -> None:
+    """An output path that cannot be written fails before the work, not after it."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise ConfigError(f"cannot write {path!r}: {folder!r} is not a writable folder")
 
 
 def _balance(args: argparse.Namespace) -> str | list[str]:
@@ -88,6 +150,8 @@ def _report(args: argparse.Namespace) -> None:
         schedule=args.schedule,
         mem_cap=None if args.mem_cap_gib is None else args.mem_cap_gib * 2**30,
         sequence_parallel=args.sequence_parallel,
+        mode=args.mode,
+        measured=MeasuredCosts.load(args.costs) if args.costs else None,
     )
     print(plan)
     if args.json:
@@ -108,6 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "report":
             _report(args)
+        elif args.command == "profile":
+            _profile(args)
     except AutopipeError as exc:
         print(f"autopipe: error: {exc}", file=sys.stderr)
         return _EXIT_USER_ERROR

@@ -64,7 +64,7 @@ def test_columns_align() -> None:
     lines = table.splitlines()[1:-1]  # heading, rule, rows
     rule = lines[1]
     gaps = [i for i in range(1, len(rule)) if rule[i] == " " and rule[i - 1] == "-"]
-    assert len(gaps) == 11  # twelve columns
+    assert len(gaps) == 13  # fourteen columns
     assert len({len(line) for line in lines}) == 1
     for line in lines:
         assert all(line[g : g + 2] == "  " for g in gaps), line

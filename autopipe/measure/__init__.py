@@ -8,6 +8,7 @@ is what ``parallelize(costs="measured")`` and ``autopipe profile`` call; see
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +20,7 @@ from autopipe.tracer import TracedModel
 
 from .cache import ProfileCache, default_cache_dir
 from .closed_loop import refine
-from .profile import DEFAULT_SEGMENTS, _rank_world, _share, profile_graph, profile_key, segment_starts
+from .profile import DEFAULT_SEGMENTS, _rank_world, _share, on_rank0, profile_graph, profile_key, segment_starts
 from .timer import RunSetup, StageTiming, device_name, time_stages
 
 __all__ = ["MeasureOptions", "measured_plan", "profile_graph", "time_stages", "time_plan", "RunSetup",
@@ -52,17 +53,22 @@ def time_plan(traced: TracedModel, plan: PartitionPlan, setup: RunSetup, group: 
 
 
 def measured_plan(traced: TracedModel, setup: RunSetup, partition_args: dict[str, Any], *,
-                  options: MeasureOptions = MeasureOptions(), measured: MeasuredCosts | None = None,
+                  options: MeasureOptions = MeasureOptions(),
+                  measured: MeasuredCosts | str | os.PathLike[str] | None = None,
                   closed_loop: bool = True, group: Any = None) -> PartitionPlan:
-    """Profile ``traced`` as ``setup`` runs it (or take ``measured``), cut it with
+    """Profile ``traced`` as ``setup`` runs it (or take ``measured``: a profile, or a profile
+    file's path, read on rank 0 and sent to the others), cut it with
     ``partition(traced, **partition_args)`` on the measured costs, then time the stages and cut
     again while they are unbalanced ([Note: closed loop]). Collective when torch.distributed is
-    initialised."""
+    initialised: every rank ends with the same plan, or every rank raises."""
     if measured is None:
         cache = ProfileCache(options.cache_dir) if options.cache else None
         measured = profile_graph(traced, dataclasses.replace(setup, reps=options.reps, warmup=options.warmup),
                                  segments=options.segments, cache=cache, group=group)
     else:
+        given = measured
+        measured = on_rank0(lambda: given if isinstance(given, MeasuredCosts) else MeasuredCosts.load(given),
+                            group)
         key = profile_key(traced, setup)
         key.pop("torch_version")  # a profile given by hand may come from another torch
         measured.check(key, source="the given profile")

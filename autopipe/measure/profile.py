@@ -80,9 +80,7 @@ def profile_graph(traced: TracedModel, setup: RunSetup, *, segments: int | None 
     count = segments or DEFAULT_SEGMENTS[setup.mode]
     key = profile_key(traced, setup)
     rank, world = _rank_world(group)
-    cached = cache.load(key, count) if cache is not None and rank == 0 else None
-    if world > 1:
-        cached = _broadcast(cached, group)
+    cached = on_rank0(lambda: cache.load(key, count) if cache is not None else None, group)
     if cached is not None:
         return cached
 
@@ -120,10 +118,23 @@ def _rank_world(group: Any) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def _broadcast(value: Any, group: Any) -> Any:
-    box = [value]
+def on_rank0(work: Callable[[], Any], group: Any = None) -> Any:
+    """``work()`` done on rank 0 and its result sent to every rank; if it raises, every rank
+    raises (a ProfileError naming it), so that none waits for a value that never comes."""
+    _, world = _rank_world(group)
+    if world == 1:
+        return work()
+    box: list[Any] = [None]
+    if dist.get_rank(group) == 0:
+        try:
+            box = [("ok", work())]
+        except Exception as exc:  # noqa: BLE001 - re-raised below on every rank, typed
+            box = [("error", exc if isinstance(exc, ProfileError) else ProfileError(f"{type(exc).__name__}: {exc}"))]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-    return box[0]
+    status, value = box[0]
+    if status == "error":
+        raise value
+    return value
 
 
 def _share(work: Callable[[], dict[int, StageTiming]], group: Any, world: int) -> dict[int, StageTiming]:

@@ -20,7 +20,7 @@ from autopipe.errors import ConfigError
 from autopipe.partition.calibration import Calibration, load_calibration
 from autopipe.partition.cost import FREE_KINDS, MATMUL_KINDS, NodeCost
 
-__all__ = ["DeviceProfile", "PROFILES", "EXECUTION_MODES", "get_profile", "measure_profile",
+__all__ = ["DeviceProfile", "PROFILES", "EXECUTION_MODES", "execution_mode", "get_profile", "measure_profile",
            "measure_node_times"]
 
 SCHEMA_VERSION = 2
@@ -115,6 +115,12 @@ PROFILES: dict[str, DeviceProfile] = {
                           link_bandwidth=300e9, link_latency=10e-6, op_overhead=5e-6,
                           calibration=load_calibration("h200")),
 }
+
+
+def execution_mode(*, cuda_graphs: bool = False, compile_stages: bool = False) -> str:
+    """The EXECUTION_MODES entry for stages run with these options."""
+    return ("compiled+graphs" if cuda_graphs else "compiled") if compile_stages else \
+        ("graphs" if cuda_graphs else "eager")
 
 
 def get_profile(name_or_profile: str | DeviceProfile) -> DeviceProfile:

@@ -95,6 +95,8 @@ def _stage_row(stage: StagePlan, mean: float) -> list[str]:
         human_count(stage.params),
         human_flops(stage.flops),
         _ms(stage.cost),
+        _ms(stage.analytic_time) if stage.analytic_time else "-",
+        _ms(stage.measured_time) if stage.measured_time is not None else "-",
         _ms(stage.comm_time),
         human_bytes(stage.activation_bytes),
         human_bytes(stage.memory_bytes),
@@ -105,9 +107,9 @@ def _stage_row(stage: StagePlan, mean: float) -> list[str]:
 
 _HEADINGS = [
     "stage", "rank/chunk", "nodes (count)", "modules", "params", "fwd+bwd",
-    "time", "of it comm", "activations", "memory", "cut at end", "vs mean",
+    "time", "modelled", "measured", "of it comm", "activations", "memory", "cut at end", "vs mean",
 ]  # fmt: skip
-_LEFT = {2, 3, 10}  # text columns; numbers align right
+_LEFT = {2, 3, 12}  # text columns; numbers align right
 
 
 def _header(plan: PartitionPlan) -> str:
@@ -118,8 +120,26 @@ def _header(plan: PartitionPlan) -> str:
         f" = {stages} stage{'s' if stages != 1 else ''}, {plan.microbatches} micro-batch"
         f"{'es' if plan.microbatches != 1 else ''} of size {plan.microbatch_size}, balance {plan.balance},"
         f" device {plan.device}, schedule {plan.schedule}, {human_count(plan.total_params)} params,"
-        f" imbalance {plan.imbalance:.3f} (max/mean)"
+        f" imbalance {plan.imbalance:.3f} (max/mean){_measured_note(plan)}; {_source(plan)}"
     )
+
+
+def _measured_note(plan: PartitionPlan) -> str:
+    ratio = plan.measured_imbalance
+    return "" if ratio is None else f", measured {ratio:.3f}"
+
+
+def _source(plan: PartitionPlan) -> str:
+    """What priced the stages (plan.cost_source), in words."""
+    src = plan.cost_source or {}
+    if src.get("source") == "measured":
+        loop = f", {len(plan.refinement)} timing round{'s' if len(plan.refinement) != 1 else ''}" \
+            if plan.refinement else ""
+        return f"costs measured on {src.get('device')} ({src.get('mode')}, {src.get('dtype')}{loop})"
+    if src.get("source") == "analytic":
+        how = "calibrated" if src.get("calibrated") else "uncalibrated"
+        return f"costs modelled ({src.get('profile')} {how}, {src.get('mode')})"
+    return "costs modelled"
 
 
 def format_table(plan: PartitionPlan) -> str:
@@ -136,8 +156,9 @@ def format_table(plan: PartitionPlan) -> str:
 
     body = [line(rows[0]), line(["-" * w for w in widths])] + [line(r) for r in rows[1:]]
     notes = (
-        "time: modelled forward+backward of one micro-batch, communication included; memory: "
-        f"{_OPTIMIZER_NOTE} plus activations of the micro-batches in flight"
+        "time: what the cut was priced at, forward+backward of one micro-batch, communication "
+        "included; modelled: the analytic model's compute; measured: the stage timed alone on the "
+        f"device; memory: {_OPTIMIZER_NOTE} plus activations of the micro-batches in flight"
     )
     return "\n".join([_header(plan), *body, *_pieces_lines(plan), notes])
 
@@ -184,6 +205,12 @@ def plot(plan: PartitionPlan, path: str | os.PathLike[str]) -> None:
     ax_time.bar(x, compute, label="compute", color="#4c72b0")
     ax_time.bar(x, comm, bottom=compute, label="communication", color="#dd8452")
     ax_time.axhline(mean, color="black", linestyle="--", linewidth=1, label=f"mean {mean:.2f} ms")
+    modelled = [s.analytic_time * 1e3 for s in plan.stages]
+    if any(modelled) and (plan.cost_source or {}).get("source") == "measured":
+        ax_time.plot(x, modelled, "D", color="#8172b2", label="analytic model")
+    if all(s.measured_time is not None for s in plan.stages) and plan.stages:
+        ax_time.plot(x, [s.measured_time * 1e3 for s in plan.stages], "o", color="black",
+                     label=f"measured (max/mean {plan.measured_imbalance:.3f})")
     ax_time.set(xlabel="stage", ylabel="ms per micro-batch (fwd+bwd)", title=f"time, imbalance {plan.imbalance:.3f}")
     ax_mem.bar(x, state, label=_OPTIMIZER_NOTE, color="#55a868")
     ax_mem.bar(x, activations, bottom=state, label=f"activations ({in_flight} in flight)", color="#c44e52")

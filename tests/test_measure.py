@@ -1,0 +1,311 @@
+"""Measured costs (autopipe/measure, partition/measured.py, partition/calibration.py), on CPU.
+
+What is timed on a CPU is a CPU, so these tests check the machinery: that kernel times land on
+the nodes that launched them, that profiles tile the graph, are cached, checked and refused
+with typed errors, that the closed loop converges on a known truth, that every rank of a
+multi-process run plans alike, and that the calibration and the reports carry both figures.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autopipe
+from autopipe.errors import ConfigError, ProfileError
+from autopipe.measure import MeasureOptions, ProfileCache, RunSetup, profile_graph, segment_starts
+from autopipe.measure import _groups, _planned
+from autopipe.measure import profile as profile_module
+from autopipe.measure.closed_loop import refine
+from autopipe.measure.kernels import node_times
+from autopipe.partition.calibration import Calibration, class_of, load_calibration
+from autopipe.partition.cost import graph_costs
+from autopipe.partition.device import PROFILES, DeviceProfile
+from autopipe.partition.measured import MeasuredCosts, Segment, fingerprint, spread
+from autopipe.partition.partitioner import analytic_seconds, partition
+from autopipe.tracer import trace
+from tests.distributed import run_distributed
+from tests.models import timm_vit
+
+CPU = RunSetup("cpu", reps=2, warmup=1)
+
+
+class _Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.drop, self.fc2 = nn.Linear(64, 256), nn.Dropout(0.0), nn.Linear(256, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.drop(F.gelu(self.fc1(x))))
+
+
+def _vit_traced(batch: int = 4):
+    torch.manual_seed(0)
+    return trace(timm_vit(), (torch.randn(batch, 3, 32, 32),))
+
+
+# ------------------------------------------------------------------------------ node times
+def test_kernel_times_land_on_the_nodes_that_launched_them():
+    traced = trace(_Mlp(), (torch.randn(512, 64),))
+    x = torch.randn(512, 64)
+    times = node_times(traced.gm, [x], [True], torch.device("cpu"), None, reps=2)
+    forward, backward = {n: t[0] for n, t in times.device.items()}, {n: t[1] for n, t in times.device.items()}
+    assert forward["fc1"] > 0 and forward["fc2"] > 0 and backward["fc1"] > 0 and backward["fc2"] > 0
+    # nn.Dropout(0.0) returns its input and makes no autograd node: fc2's backward, which
+    # records the same sequence number, must not be credited to it.
+    assert backward.get("drop", 0.0) == 0.0
+    assert backward["fc2"] > 0.2 * forward["fc2"]
+
+
+def test_profile_tiles_the_graph_and_prices_every_node(tmp_path):
+    traced = _vit_traced()
+    measured = profile_graph(traced, CPU, segments=6)
+    order = [n.name for n in traced.gm.graph.nodes if n.op != "output"]
+    assert measured.segments[0].start == 0 and measured.segments[-1].end == len(order)
+    assert all(a.end == b.start for a, b in zip(measured.segments, measured.segments[1:]))
+    assert set(measured.node_seconds) == set(order)
+    linears = [n.name for n in traced.gm.graph.nodes if n.op == "call_module" and "fc1" in n.name]
+    assert all(measured.node_seconds[n] > 0 for n in linears)
+    assert measured.fingerprint == fingerprint(traced.gm) and measured.device == "cpu"
+    assert set(measured.node_detail) >= set(linears)
+    # A plan priced by it carries the source and the profile's times.
+    plan = partition(traced, 2, device="cpu", measured=measured)
+    assert plan.cost_source["source"] == "measured" and plan.cost_source["device"] == "cpu"
+    assert sum(s.compute_time for s in plan.stages) == pytest.approx(
+        sum(measured.node_seconds.values()) + 2 * measured.stage_overhead)
+    again = MeasuredCosts.load(_saved(measured, tmp_path / "p.json"))
+    assert again == measured
+
+
+def _saved(measured: MeasuredCosts, path) -> str:
+    measured.save(path)
+    return str(path)
+
+
+def test_segments_start_where_work_was_done():
+    traced = _vit_traced()
+    starts = segment_starts(traced, 10**6, "cpu")
+    seconds = analytic_seconds(traced, "cpu")
+    order = [n.name for n in traced.gm.graph.nodes if n.op != "output"]
+    for a, b in zip(starts, starts[1:] + [len(order)]):
+        assert sum(seconds[n] for n in order[a:b]) > 0  # no segment of views alone
+    assert len(segment_starts(traced, 5, "cpu")) == 5
+
+
+def test_a_cached_profile_is_not_timed_again(tmp_path, monkeypatch):
+    traced = _vit_traced()
+    cache = ProfileCache(tmp_path)
+    first = profile_graph(traced, CPU, segments=4, cache=cache)
+
+    def no_timing(*a, **k):
+        raise AssertionError("a cached profile was timed again")
+
+    monkeypatch.setattr(profile_module, "time_stages", no_timing)
+    second = profile_graph(traced, CPU, segments=4, cache=cache)
+    assert second == first
+    other = _vit_traced(batch=2)  # another shape: another key, so it would be timed
+    with pytest.raises(AssertionError, match="timed again"):
+        profile_graph(other, CPU, segments=4, cache=cache)
+
+
+def test_a_corrupt_cache_file_is_a_typed_error_and_is_kept(tmp_path):
+    traced = _vit_traced()
+    cache = ProfileCache(tmp_path)
+    measured = profile_graph(traced, CPU, segments=4, cache=cache)
+    path = cache.path(measured.key(), 4)
+    with open(path, "w") as f:
+        f.write('{"schema": 1, "segments": [')
+    with pytest.raises(ProfileError, match="corrupt.*delete it"):
+        profile_graph(traced, CPU, segments=4, cache=cache)
+    assert open(path).read().startswith('{"schema": 1')  # nothing lost behind the user's back
+
+
+def test_a_profile_of_another_graph_shape_or_setup_is_refused():
+    traced = _vit_traced()
+    measured = profile_graph(traced, CPU, segments=4)
+    with pytest.raises(ProfileError, match="fingerprint.*\n.*input_shapes"):
+        partition(_vit_traced(batch=2), 2, device="cpu", measured=measured)
+    deeper = trace(timm_vit(depth=3), (torch.randn(4, 3, 32, 32),))
+    with pytest.raises(ProfileError, match="fingerprint"):
+        partition(deeper, 2, device="cpu", measured=measured)
+    with pytest.raises(ProfileError, match="mode: profile has 'eager', this plan needs 'graphs'"):
+        measured.check({"mode": "graphs", "device": "cpu"})
+    with pytest.raises(ProfileError, match="device: profile has 'cpu'"):
+        measured.check({"device": "NVIDIA H100 80GB HBM3"})
+
+
+def test_no_accelerator_is_a_typed_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ProfileError, match="no CUDA device.*autopipe profile"):
+        RunSetup("cuda", "eager")
+    with pytest.raises(ProfileError, match="graphs.*needs a CUDA device"):
+        RunSetup("cpu", "graphs")
+
+
+def test_spread_follows_the_model_inside_a_segment():
+    segs = [Segment(0, 2, 3.0, 1.0), Segment(2, 3, 1.0, 1.0)]
+    out = spread(segs, ["a", "b", "c"], [1.0, 3.0, 0.0])
+    assert out == {"a": 1.0, "b": 3.0, "c": 2.0}
+    assert spread([Segment(0, 2, 2.0, 0.0)], ["a", "b"], [0.0, 0.0]) == {"a": 1.0, "b": 1.0}
+    with pytest.raises(ProfileError, match="do not tile"):
+        spread([Segment(0, 1, 1.0, 0.0)], ["a", "b"], [1.0, 1.0])
+
+
+# ------------------------------------------------------------------------------ closed loop
+def _synthetic(traced, hidden_seed: int = 1):
+    """A profile of the analytic times, and a 'device' whose segments run at hidden speeds."""
+    base = {k: v for k, v in analytic_seconds(traced, "h100").items() if k != "output"}
+    order = [n.name for n in traced.gm.graph.nodes if n.op != "output"]
+    starts = segment_starts(traced, 8, "h100")
+    segs = [Segment(a, b, sum(base[n] for n in order[a:b]), 0.0) for a, b in zip(starts, starts[1:] + [len(order)])]
+    measured = MeasuredCosts(fingerprint(traced.gm), [list(s) for s in traced.input_shapes], "float32", "eager",
+                             "cpu", torch.__version__, segs, base)
+    gen = torch.Generator().manual_seed(hidden_seed)
+    hidden = (0.5 + 1.5 * torch.rand(len(segs), generator=gen)).tolist()
+    group_of = _groups(traced, measured)
+    fixed = 0.05 * sum(base.values()) / 4
+
+    def device(plan):
+        return [sum(hidden[k] * s for k, s in by.items()) + fixed
+                for by in _planned(traced, plan, measured.node_seconds, group_of)]
+
+    def replan(factors, **kw):
+        seconds = {n: s * factors[group_of[n]] for n, s in base.items()}
+        return partition(traced, 4, device="h100", measured=dataclasses.replace(measured, node_seconds=seconds), **kw)
+
+    return measured, device, replan, group_of, hidden
+
+
+def test_the_closed_loop_reaches_the_balance_of_the_true_costs():
+    traced = trace(timm_vit(depth=8), (torch.randn(4, 3, 32, 32),))
+    measured, device, replan, group_of, hidden = _synthetic(traced)
+    first = partition(traced, 4, device="h100", measured=measured)
+    start = max(device(first)) / (sum(device(first)) / 4)
+    truth = replan([hidden[k] for k in range(len(hidden))])
+    best_possible = max(device(truth)) / (sum(device(truth)) / 4)
+    plan = refine(first, groups=len(measured.segments), target=1.0, rounds=4,
+                  planned=lambda p: _planned(traced, p, measured.node_seconds, group_of),
+                  measure=device, replan=replan)
+    assert start > best_possible + 0.05  # the profile alone is off
+    assert plan.measured_imbalance <= best_possible + 0.01
+    assert [r["round"] for r in plan.refinement] == list(range(len(plan.refinement)))
+    assert all(s.measured_time is not None for s in plan.stages)
+    # The plan kept is the one whose slowest stage is fastest.
+    assert max(s.measured_time for s in plan.stages) == pytest.approx(min(r["measured_max"] for r in plan.refinement))
+
+
+def test_the_closed_loop_stops_at_its_target_and_checks_its_arguments():
+    traced = trace(timm_vit(depth=4), (torch.randn(4, 3, 32, 32),))
+    measured, device, replan, group_of, _ = _synthetic(traced)
+    plan = partition(traced, 4, device="h100", measured=measured)
+    kwargs = dict(groups=len(measured.segments), planned=lambda p: _planned(traced, p, measured.node_seconds, group_of),
+                  measure=device, replan=replan)
+    done = refine(plan, target=10.0, rounds=3, **kwargs)
+    assert len(done.refinement) == 1
+    with pytest.raises(ConfigError, match="target 0.9"):
+        refine(plan, target=0.9, **kwargs)
+    with pytest.raises(ConfigError, match="rounds"):
+        refine(plan, rounds=-1, **kwargs)
+
+
+# ------------------------------------------------------------------------------ calibration
+def test_calibration_classes_and_table():
+    costs = graph_costs(trace(nn.Sequential(nn.Conv2d(3, 64, 7, 2), nn.BatchNorm2d(64), nn.ReLU(),
+                                            nn.Conv2d(64, 64, 3, groups=64), nn.Flatten(), nn.Linear(64 * 11 * 11, 10)),
+                              (torch.randn(2, 3, 32, 32),)).gm)
+    classes = {n: class_of(c) for n, c in costs.items() if c.kind not in ("view", "none")}
+    assert classes["_0"] == "conv/4"  # a stem: 3 input channels
+    assert classes["_1"] == "norm:batch/64ch"
+    assert classes["_3"].startswith("dwconv/")
+    table = load_calibration("h100")
+    assert table is not None and table.device.startswith("NVIDIA H100")
+    assert all(f >= 0 for pair in table.factors.values() for f in pair)
+    assert table.fit["error"]["graphs"]["leave_one_model_out"]  # the fit reports its error
+    assert PROFILES["h100"].calibration == table
+    with pytest.raises(ConfigError, match="not a calibration table"):
+        Calibration.from_dict({"schema": 1, "device": "x", "factors": {"gemm/64": [-1, 1]}, "launch": [0, 0],
+                               "host": [0, 0]})
+
+
+def test_a_calibrated_profile_prices_launches_by_mode():
+    cal = Calibration("gpu", {"gemm/>1024": (2.0, 3.0)}, launch=(1e-6, 2e-6), host=(50e-6, 80e-6),
+                      stage={"graphs": 1e-4})
+    profile = DeviceProfile("p", 1e12, 1e11, 1e11, 1e9, 1e-5, 5e-6, calibration=cal)
+    big = graph_costs(trace(nn.Linear(2048, 2048), (torch.randn(4096, 2048),)).gm)
+    node = next(c for c in big.values() if c.kind == "matmul")
+    roofline = max(node.fwd_flops / 1e12, node.fwd_bytes / 1e11)
+    graphs = profile.with_mode("graphs")
+    assert graphs.node_time(node) == pytest.approx(2.0 * roofline + 1e-6)
+    assert profile.with_mode("eager").node_time(node) == pytest.approx(max(2.0 * roofline + 1e-6, 50e-6))
+    assert DeviceProfile.from_json(json.loads(json.dumps(graphs.to_json()))) == graphs
+    with pytest.raises(ConfigError, match="execution mode 'fast'"):
+        profile.with_mode("fast")
+
+
+# ------------------------------------------------------------------------------ parallelize
+def _measured_rank(rank: int, world: int, cache_dir: str) -> dict:
+    torch.manual_seed(0)
+    model = timm_vit(depth=4)
+    x = torch.randn(4, 3, 32, 32)
+    pm = autopipe.parallelize(model, (x[:2],), pp=world, microbatches=2, loss_fn=F.cross_entropy, device="cpu",
+                              costs="measured",
+                              measure=MeasureOptions(segments=4, reps=2, rounds=1, cache_dir=cache_dir))
+    loss = pm.train_step(x, torch.arange(4) % 10)
+    plan = pm.report()
+    return {"plan": plan.to_json(), "loss": float(loss), "measured": [s.measured_time for s in plan.stages],
+            "source": plan.cost_source}
+
+
+def test_every_rank_plans_alike_from_measured_costs_and_trains_as_one_process(tmp_path):
+    results = run_distributed(_measured_rank, 2, str(tmp_path), timeout=240)
+    assert results[0]["plan"] == results[1]["plan"]  # one plan, though each rank timed its share
+    assert results[0]["source"]["source"] == "measured"
+    assert all(t is not None and t > 0 for t in results[0]["measured"])
+    torch.manual_seed(0)
+    model = timm_vit(depth=4)
+    x = torch.randn(4, 3, 32, 32)
+    with torch.no_grad():
+        reference = F.cross_entropy(model(x), torch.arange(4) % 10)
+    assert results[0]["loss"] == pytest.approx(float(reference), rel=1e-5)
+    assert os.listdir(tmp_path / "profiles")  # rank 0 cached the profile
+
+
+def _failing_rank(rank: int, world: int) -> None:
+    if rank == 1:
+        profile_module.time_stages = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("device lost"))
+    traced = _vit_traced()
+    profile_graph(traced, CPU, segments=4)
+
+
+def test_a_rank_failing_to_time_fails_every_rank():
+    results = run_distributed(_failing_rank, 2, timeout=120, return_exceptions=True)
+    for r in results:
+        assert "ProfileError" in r.exc_type and "rank 1: RuntimeError: device lost" in r.message
+
+
+# ------------------------------------------------------------------------------ command line
+def test_cli_profile_then_report_with_it(tmp_path, monkeypatch, capsys):
+    from autopipe.cli import main
+
+    monkeypatch.setenv("AUTOPIPE_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "p.json"
+    spec = ["timm:vit_tiny_patch16_224", "--batch", "8", "--microbatches", "2", "--image-size", "32"]
+    assert main(["profile", *spec, "--device", "cpu", "--dtype", "fp32", "--segments", "4", "--out", str(out)]) == 0
+    assert main(["report", *spec, "--pp", "2", "--device", "cpu", "--costs", str(out),
+                 "--json", str(tmp_path / "plan.json")]) == 0
+    printed = capsys.readouterr().out
+    assert "costs measured on cpu (eager, float32)" in printed
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["cost_source"]["source"] == "measured"
+    assert main(["report", spec[0], "--batch", "16", "--microbatches", "2", "--image-size", "32", "--pp", "2",
+                 "--costs", str(out)]) == 2
+    assert "input_shapes" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["profile", *spec, "--out", str(tmp_path / "q.json")]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+    assert main(["profile", *spec, "--out", str(tmp_path / "missing" / "q.json")]) == 2
