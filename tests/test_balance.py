@@ -478,3 +478,21 @@ def test_overlapped_large_graph_smoke():
         return max(t.cost for t in overlapped_stage_times(compute, split, cut_time, cut_latency))
 
     assert largest(free) <= largest(additive)
+
+
+@SMALL
+@given(overlap_problems(), st.floats(0, 1e3, allow_subnormal=False))
+def test_solve_overlapped_counts_a_stage_overhead_exactly(problem, overhead):
+    # A fixed time per stage moves no compute-bound cut, but it does move where a stage turns
+    # link-bound; no split timed with the same overhead may beat the answer.
+    cost, n_stages, kw = problem
+    kw.update(mem=None, mem_cap=None)
+    allowed = kw["allowed_cuts"]
+    if allowed is not None and sum(allowed) + 1 < n_stages:
+        return
+    starts = solve_overlapped(cost, n_stages, **kw, stage_overhead=overhead)
+    times = (kw["cut_time"], kw["cut_latency"])
+    got = overlapped_stage_times(cost, starts, *times, overhead)
+    assert all(t.compute >= overhead for t in got)
+    for other in splits(len(cost), n_stages, allowed_cuts=allowed):
+        assert max(t.cost for t in got) <= max(t.cost for t in overlapped_stage_times(cost, other, *times, overhead))

@@ -16,7 +16,9 @@ from autopipe.partition.plan import PartitionPlan
 from autopipe.tracer import trace
 
 # A link slow enough that the wide layers' activations make a stage link-bound.
-SLOW_LINK = dataclasses.replace(get_profile("h100"), name="h100-slow-link", link_bandwidth=2e9)
+# The plain roofline: these tests are about links and cuts, not the GPU's fitted efficiencies.
+ROOFLINE = dataclasses.replace(get_profile("h100"), calibration=None)
+SLOW_LINK = dataclasses.replace(ROOFLINE, name="h100-slow-link", link_bandwidth=2e9)
 
 
 class Residual(nn.Module):
@@ -77,14 +79,15 @@ def test_cost_balance_is_the_exact_optimum_of_what_partition_feeds_it(monkeypatc
     starts = [0]
     for stage in plan.stages[:-1]:
         starts.append(starts[-1] + len(stage.nodes))
-    got = [t.cost for t in balancer.overlapped_stage_times(compute, starts, *times)]
+    overhead = seen.get("stage_overhead", 0.0)
+    got = [t.cost for t in balancer.overlapped_stage_times(compute, starts, *times, overhead)]
     assert [s.cost for s in plan.stages] == got
     # Every split the allowed cuts permit is at least as slow (same formula, to the bit).
     n, allowed = len(compute), seen["allowed_cuts"]
     link_bound = False
     for chosen in itertools.combinations(range(1, n), 2):
         if all(allowed[b - 1] for b in chosen):
-            other = balancer.overlapped_stage_times(compute, [0, *chosen], *times)
+            other = balancer.overlapped_stage_times(compute, [0, *chosen], *times, overhead)
             assert max(got) <= max(t.cost for t in other)
             link_bound |= any(t.comm > t.compute for t in other)
     assert link_bound, "the slow link should make some split link-bound, or this test checks nothing"
@@ -92,7 +95,7 @@ def test_cost_balance_is_the_exact_optimum_of_what_partition_feeds_it(monkeypatc
 
 def test_the_link_steers_cuts_away_from_wide_activations():
     traced = traced_tiny()
-    free = dataclasses.replace(get_profile("h100"), name="free", link_bandwidth=float("inf"), link_latency=0.0)
+    free = dataclasses.replace(ROOFLINE, name="free", link_bandwidth=float("inf"), link_latency=0.0)
     # Compute alone cuts inside the wide half; on the slow link that stage would be link-bound.
     slow, fast = partition(traced, 4, device=SLOW_LINK), partition(traced, 4, device=free)
     assert max(s.cost for s in slow.stages) < max(

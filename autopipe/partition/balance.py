@@ -75,13 +75,15 @@ def solve_overlapped(
     mem: Sequence[float] | None = None,
     mem_cap: float | None = None,
     allowed_cuts: Sequence[bool] | None = None,
+    stage_overhead: float = 0.0,
 ) -> list[int]:
     """Start positions of the stages whose largest time is least, transfers overlapping compute.
 
     Stage [i, j) takes ``max(compute, comm) + latency`` as ``overlapped_stage_times`` counts
     it: compute is ``sum(compute[i:j])``, comm is ``cut_time[i-1]`` (i > 0) plus
     ``cut_time[j-1]`` (j < n), latency the same sum over ``cut_latency``. ``mem``,
-    ``mem_cap`` and ``allowed_cuts`` act as in ``solve``. Among splits of equal largest time
+    ``mem_cap`` and ``allowed_cuts`` act as in ``solve``; every stage's compute also counts
+    ``stage_overhead`` (what running a stage costs beyond its nodes). Among splits of equal largest time
     the one with the least summed ``cut_time + cut_latency`` over its cuts wins, then the
     earliest starts.
 
@@ -99,8 +101,8 @@ def solve_overlapped(
         return [0]
     rough = problem.pick(n_stages, problem.least_max(n_stages))
     fences = np.array([*rough, problem.n])
-    upper = float(_stage_time(problem.prefix, cut_t, cut_l, fences[:-1], fences[1:])[3].max())
-    band = _Band.build(problem, cut_t, cut_l, upper)
+    upper = float(_stage_time(problem.prefix, cut_t, cut_l, fences[:-1], fences[1:], stage_overhead)[3].max())
+    band = _Band.build(problem, cut_t, cut_l, upper, stage_overhead)
     return band.pick(n_stages, band.least_max(n_stages))
 
 
@@ -118,6 +120,7 @@ def overlapped_stage_times(
     starts: Sequence[int],
     cut_time: Sequence[float] | None = None,
     cut_latency: Sequence[float] | None = None,
+    stage_overhead: float = 0.0,
 ) -> list[StageTime]:
     """Each stage of ``starts`` timed as ``solve_overlapped`` times it, to the last bit."""
     values = _vector("compute", compute)
@@ -127,7 +130,7 @@ def overlapped_stage_times(
     cut_l = _boundary_vector("cut_latency", cut_latency, n)
     prefix = np.concatenate(([0.0], np.cumsum(values)))
     fences = np.array([*(int(s) for s in starts), n])
-    parts = _stage_time(prefix, cut_t, cut_l, fences[:-1], fences[1:])
+    parts = _stage_time(prefix, cut_t, cut_l, fences[:-1], fences[1:], stage_overhead)
     return [StageTime(*map(float, row)) for row in zip(*parts)]
 
 
@@ -419,10 +422,11 @@ class _Problem:
 
 
 def _stage_time(
-    prefix: np.ndarray, cut_t: np.ndarray, cut_l: np.ndarray, i: np.ndarray, j: np.ndarray
+    prefix: np.ndarray, cut_t: np.ndarray, cut_l: np.ndarray, i: np.ndarray, j: np.ndarray,
+    stage_overhead: float = 0.0,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(compute, comm, latency, cost) of stages [i, j): the one formula, for solver and plan."""
-    compute = prefix[j] - prefix[i]
+    compute = prefix[j] - prefix[i] + stage_overhead
     comm = cut_t[i] + cut_t[j]
     latency = cut_l[i] + cut_l[j]
     return compute, comm, latency, np.maximum(compute, comm) + latency
@@ -465,7 +469,8 @@ class _Band:
     weight: np.ndarray  # float[n + 1]: cut_time + cut_latency at each boundary, 0 at both ends
 
     @staticmethod
-    def build(problem: _Problem, cut_t: np.ndarray, cut_l: np.ndarray, bound: float) -> _Band:
+    def build(problem: _Problem, cut_t: np.ndarray, cut_l: np.ndarray, bound: float,
+              stage_overhead: float = 0.0) -> _Band:
         n, prefix, ok = problem.n, problem.prefix, problem.ok
         heads = np.flatnonzero(ok[:n])
         # The first end whose compute alone exceeds the bound; compute grows with the end.
@@ -479,7 +484,7 @@ class _Band:
         allowed = ends <= last[:, None]
         ends = np.minimum(ends, n)
         allowed &= ok[ends]
-        time = _stage_time(prefix, cut_t, cut_l, heads[:, None], ends)[3]
+        time = _stage_time(prefix, cut_t, cut_l, heads[:, None], ends, stage_overhead)[3]
         time[~allowed] = np.inf
         return _Band(n, heads, ends, time, cut_t + cut_l)
 

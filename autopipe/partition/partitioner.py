@@ -384,13 +384,17 @@ def _partition(
             f"at most {sum(allowed) + 1} stages are possible; lower pp or chunks"
         )
 
+    # What running a stage costs beyond its nodes (see [Note: segments] in measure/profile.py).
+    overhead = measured.stage_overhead if measured is not None else \
+        profile.calibration.stage.get(profile.mode, 0.0) if profile.calibration is not None else 0.0
     if starts is not None:
         balancer.check_starts(starts, len(order))
         mode = balance if isinstance(balance, str) else "split_points:" + ",".join(balance)
     elif isinstance(balance, str):
         if balance == "cost":
             starts = balancer.solve_overlapped(compute, n_stages, cut_time=cut_time, cut_latency=cut_latency,
-                                               mem=mem, mem_cap=mem_cap, allowed_cuts=allowed)
+                                               mem=mem, mem_cap=mem_cap, allowed_cuts=allowed,
+                                               stage_overhead=overhead)
         elif balance == "params":
             starts = balancer.solve_params(params, n_stages, allowed_cuts=allowed)
         elif balance == "uniform":
@@ -405,13 +409,7 @@ def _partition(
         starts = balancer.solve_split_points(_split_positions(list(balance), nodes), n_stages)
         mode = "split_points:" + ",".join(balance)
 
-    times = balancer.overlapped_stage_times(compute, starts, cut_time, cut_latency)
-    c = measured.stage_overhead if measured is not None else \
-        profile.calibration.stage.get(profile.mode, 0.0) if profile.calibration is not None else 0.0
-    if c > 0:
-        # The same for every stage, so no cut moves for it; stage times are what a stage takes.
-        times = [balancer.StageTime(t.compute + c, t.comm, t.latency, max(t.compute + c, t.comm) + t.latency)
-                 for t in times]
+    times = balancer.overlapped_stage_times(compute, starts, cut_time, cut_latency, overhead)
     plan = _build_plan(traced, nodes, costs, times, dag, starts, state, profile, activation_dtype,
                        pp=pp, chunks=chunks, tp=tp, microbatches=microbatches, mode=mode,
                        schedule=schedule, in_flight=in_flight, model_name=model_name)
