@@ -9,9 +9,12 @@ run far below the rates that ViT's 1024-wide GEMMs reach. A calibration keeps, p
 kernel, a factor that multiplies the roofline time, one for the forward and one for the
 backward pass:
 
-- GEMMs and convolutions by the smallest dimension of their (implicit) GEMM, in powers of two
-  (``gemm/64`` holds GEMMs whose smallest of M, N, K is in (32, 64]); depthwise convolutions,
-  which run on vector units, by the bytes they move;
+- GEMMs and convolutions by the dimension that bounds their parallelism, in powers of two
+  (``gemm/64`` holds linear layers whose weight's smaller side is in (32, 64]; for batched
+  products of activations the smallest of M, N, K; for convolutions the channels in or out per
+  group, so that a stem's 3 input channels form a class of their own), never the batch, so that
+  a class holds at any micro-batch size; depthwise convolutions, which run on vector units, by
+  the bytes they move;
 - attention kernels in one class;
 - memory-bound kernels (norms, elementwise, reductions, copies) by their kind and the bytes
   they move, in factors of four from 256 KiB to 64 MiB (small kernels do not reach full

@@ -93,8 +93,10 @@ class NodeCost:
     parts: tuple[NodeCost, ...] = ()
     # What a calibration table keys its efficiencies on (see partition/calibration.py):
     # ``family`` is "gemm", "conv", "dwconv" (depthwise), "batch" or "row" (norms by what they
-    # normalise over) or "" (other kernels); ``min_dim`` the smallest of a GEMM's M, N and K (a
-    # conv's channels in or out per group: a stem's 3 input channels starve it whatever its kernel).
+    # normalise over) or "" (other kernels); ``min_dim`` what bounds a kernel's parallelism,
+    # never the batch: a linear layer's smaller weight dimension, a batched product's smallest of
+    # M, N, K, a conv's channels in or out per group (a stem's 3 input channels starve it), a
+    # batch norm's channels.
     family: str = ""
     min_dim: int = 0
 
@@ -201,10 +203,11 @@ def _reduction(saves_input: bool) -> Rule:
 def _contract(op: _Op, k: int, *, batched: bool = False) -> _Work:
     out = op.out_tensor
     n = out.shape[-1] if out.dim() else 1
-    # A linear layer's rows are every leading dim; a batched product's only the second-last.
-    m = (out.shape[-2] if out.dim() > 1 else 1) if batched else out.numel() // max(n, 1)
+    # A batched product's rows (tokens) bound its efficiency; a linear layer's rows are every
+    # leading dim, batch included, and do not (they are many): its weight's shape does.
+    dims = (out.shape[-2] if out.dim() > 1 else 1, n, k) if batched else (n, k)
     return _Work("matmul", 2.0 * out.numel() * k, saved=op.floating_bytes(), family="gemm",
-                 min_dim=int(min(m, n, k)))
+                 min_dim=int(min(dims)))
 
 
 def _matmul(first: int, *names: str, batched: bool = False) -> Rule:

@@ -27,7 +27,8 @@ from .measured import MeasuredCosts, fingerprint
 from .mlp_pieces import PIECES_META
 from .plan import CutTensor, PartitionPlan, StagePlan
 
-__all__ = ["partition", "partition_at", "cut_candidates", "analytic_seconds", "BALANCE_MODES", "layer_groups"]
+__all__ = ["partition", "partition_at", "cut_candidates", "cut_dag", "analytic_seconds", "BALANCE_MODES",
+           "layer_groups", "tp_collective_seconds"]
 
 BALANCE_MODES = ("cost", "params", "uniform")
 
@@ -227,6 +228,29 @@ def _measured_seconds(traced: TracedModel, measured: MeasuredCosts) -> dict[str,
     return dict(measured.node_seconds)
 
 
+def cut_dag(traced: TracedModel, costs: Mapping[str, NodeCost], activation_dtype: torch.dtype | None) -> LinearDag:
+    """The graph's node order as a linear DAG whose ``cut_bytes[k]`` are the bytes crossing a cut
+    after position k (every live tensor, residuals included; floating ones in ``activation_dtype``)."""
+    nodes = [n for n in traced.gm.graph.nodes if n.op != "output"]
+    output_node = next(n for n in traced.gm.graph.nodes if n.op == "output")
+    graph = nx.DiGraph()
+    for node in nodes:
+        # get_attr and non-tensor values are never sent: the emitter copies or bakes them.
+        sent = node.op != "get_attr" and is_tensor_node(node)
+        nbytes = _sent_bytes(node, costs[node.name].out_bytes, activation_dtype) if sent else 0
+        graph.add_node(node.name, cost=0.0, out_bytes=nbytes, mem=0.0, params=0)
+    for node in nodes:
+        for user in node.users:
+            if user.op != "output":
+                graph.add_edge(node.name, user.name)
+    # Model outputs must reach the last stage: a sink after everything keeps them live.
+    sink = "__output__"
+    graph.add_node(sink, cost=0.0, out_bytes=0, mem=0.0, params=0)
+    for leaf in output_node.all_input_nodes:
+        graph.add_edge(leaf.name, sink)
+    return linearize(graph, [n.name for n in nodes] + [sink])
+
+
 def partition_at(traced: TracedModel, starts: Sequence[int], *, device: str | DeviceProfile = "h100",
                  node_seconds: Mapping[str, float] | None = None, measured: MeasuredCosts | None = None,
                  **kwargs) -> PartitionPlan:
@@ -357,22 +381,7 @@ def _partition(
     mem = [held + costs[n].saved_bytes * in_flight for held, n in zip(state, order)]
     params = [costs[n].param_count for n in order]
 
-    graph = nx.DiGraph()
-    for node in nodes:
-        # get_attr and non-tensor values are never sent: the emitter copies or bakes them.
-        sent = node.op != "get_attr" and is_tensor_node(node)
-        nbytes = _sent_bytes(node, costs[node.name].out_bytes, activation_dtype) if sent else 0
-        graph.add_node(node.name, cost=0.0, out_bytes=nbytes, mem=0.0, params=0)
-    for node in nodes:
-        for user in node.users:
-            if user.op != "output":
-                graph.add_edge(node.name, user.name)
-    # Model outputs must reach the last stage: a sink after everything keeps them live.
-    sink = "__output__"
-    graph.add_node(sink, cost=0.0, out_bytes=0, mem=0.0, params=0)
-    for leaf in output_node.all_input_nodes:
-        graph.add_edge(leaf.name, sink)
-    dag: LinearDag = linearize(graph, order + [sink])
+    dag = cut_dag(traced, costs, activation_dtype)
     # See [Note: communication in the stage cost].
     cut_bytes = [int(b) for b in dag.cut_bytes[: len(order) - 1]]
     cut_time = [cut_seconds(b, profile) for b in cut_bytes]
