@@ -24,15 +24,18 @@ from .mesh import ParallelDims, build_mesh, default_device
 from .model import ParallelModel, StageRuntime
 from .partition.mlp_pieces import split_mlps as cut_mlps
 from .partition.partitioner import partition
+from .runtime.microbatch import SPLITS
 from .runtime.schedule import SCHEDULES, validate
 from .tracer import trace
+from .variants import export_retracer, meta_copy
 
 __all__ = ["parallelize"]
 
 _PRECISIONS = {None: None, "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _check(loss_fn: Any, schedule: str, pp: int, chunks: int, microbatches: int, mixed_precision: Any) -> None:
+def _check(loss_fn: Any, schedule: str, pp: int, chunks: int, microbatches: int, mixed_precision: Any,
+           batch_split: str) -> None:
     if not callable(loss_fn):
         raise ConfigError("loss_fn must be a callable loss_fn(model_output, target) -> scalar tensor")
     if schedule not in SCHEDULES or schedule == "forward_only":
@@ -41,6 +44,8 @@ def _check(loss_fn: Any, schedule: str, pp: int, chunks: int, microbatches: int,
         )
     if mixed_precision not in _PRECISIONS:
         raise ConfigError(f"mixed_precision={mixed_precision!r}; use None, 'bf16' or 'fp16'")
+    if batch_split not in SPLITS:
+        raise ConfigError(f"batch_split={batch_split!r}; use one of {', '.join(map(repr, SPLITS))}")
     validate(schedule, pp, microbatches, chunks)
 
 
@@ -68,6 +73,7 @@ def parallelize(
     cuda_graphs: bool = False,
     split_mlps: bool = True,
     compile_stages: bool = False,
+    batch_split: str = "equal",
 ) -> ParallelModel:
     """Parallelize ``model`` over the processes torchrun started; returns a :class:`ParallelModel`.
 
@@ -86,10 +92,18 @@ def parallelize(
     and checkpoints keep the model's own names. ``compile_stages=True`` compiles each stage's
     graph with ``torch.compile`` (inductor fuses the norms, activations and casts between the
     GEMMs; the first step pays the compilation; see [Note: compiled stages]).
+
+    Batches may hold any number of samples: stage boundary shapes follow from the batch (see
+    [Note: stage variants]). ``batch_split="equal"`` requires a training batch that splits into
+    ``microbatches`` equal micro-batches; ``"uneven"`` splits any batch into micro-batches whose
+    sizes differ by at most one, weighing each micro-batch's loss by its share of the batch,
+    and runs a batch smaller than ``microbatches`` as one micro-batch per sample (see [Note:
+    batch splits]). Evaluation batches always split unevenly.
     """
     # 1. Local checks: every rank raises the same error before any collective.
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
+    leaf_modules = tuple(leaf_modules)  # read again by re-traces at other batch sizes
     schedule = schedule or ("interleaved_1f1b" if chunks > 1 else "1f1b")
     if cuda_graphs and tp > 1:
         raise ConfigError(f"cuda_graphs=True with tp={tp}: stages holding tensor-parallel collectives are "
@@ -103,7 +117,7 @@ def parallelize(
                           "without it is right) or compile_stages=False")
     world = dist.get_world_size() if dist.is_initialized() else 1
     dims = ParallelDims(pp, tp, world)
-    _check(loss_fn, schedule, pp, chunks, microbatches, mixed_precision)
+    _check(loss_fn, schedule, pp, chunks, microbatches, mixed_precision, batch_split)
     device = torch.device(device) if device is not None else default_device()
     rank = dist.get_rank() if dist.is_initialized() else 0
     pp_rank, dp_rank, tp_rank = dims.coords(rank)
@@ -123,6 +137,9 @@ def parallelize(
 
     # 2. Trace.
     traced = trace(model, tuple(example_inputs), leaf_modules=leaf_modules, exec_sequence=exec_sequence)
+    # torch.export bakes the micro-batch size in: other sizes trace this copy again, taken
+    # before any module is changed (see [Note: stage variants]).
+    template = meta_copy(model) if traced.route == "export" else None
 
     # 3. Shard for this tp rank.
     shard_plan = None
@@ -154,10 +171,14 @@ def parallelize(
     local = [s.index for s in plan.stages if s.pp_rank == pp_rank]
     stages = {i: m.to(device) for i, m in emit_stages(traced, plan, local).items()}
 
+    retrace = None
+    if template is not None:
+        retrace = export_retracer(template, traced, plan, leaf_modules=leaf_modules, tp=tp, tp_rank=tp_rank,
+                                  shard_rules=shard_rules, sequence_parallel=sequence_parallel)
     runtime = StageRuntime(
         plan=plan, traced=traced, stages=stages, mesh=mesh, schedule=schedule, loss_fn=loss_fn,
         compute_dtype=_PRECISIONS[mixed_precision], activation_checkpointing=activation_checkpointing,
         deadline=deadline, record_timeline=record_timeline, cuda_graphs=cuda_graphs,
-        compile_stages=compile_stages,
+        compile_stages=compile_stages, retrace=retrace, batch_split=batch_split,
     )
     return ParallelModel(model, runtime, shard_plan=shard_plan, fp16=mixed_precision == "fp16")

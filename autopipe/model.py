@@ -113,26 +113,43 @@ class StageRuntime:
     record_timeline: bool = False
     cuda_graphs: bool = False
     compile_stages: bool = False
+    # Another micro-batch size's graph, for routes that bake the size in (see [Note: stage variants]).
+    retrace: Callable[[int], tuple[TracedModel, PartitionPlan]] | None = None
+    batch_split: str = "equal"  # see [Note: batch splits] in runtime/microbatch.py
+
+    def _spec(self, shape: Any, dtype: torch.dtype) -> TensorSpec:
+        if self.compute_dtype is not None and dtype.is_floating_point:
+            dtype = self.compute_dtype
+        return TensorSpec(tuple(shape), dtype)
+
+    def _wrap(self, i: int, stage: nn.Module) -> None:
+        if self.compile_stages:  # see [Note: compiled stages]
+            stage.forward = torch.compile(stage.forward, dynamic=False)
+        if self.compute_dtype is not None or self.activation_checkpointing:
+            _wrap_forward(stage, device_type=self.mesh.device.type, compute_dtype=self.compute_dtype,
+                          cast_outputs=i != self.plan.num_stages - 1, recompute=self.activation_checkpointing)
+
+    def _variant(self, size: int) -> tuple[dict[int, nn.Module], list[list[TensorSpec]]]:
+        """This rank's stages and the boundary specs at ``size`` samples per micro-batch; see
+        [Note: stage variants] in variants.py."""
+        from .variants import boundary_values, emit_variant, repropagate
+
+        traced, plan = self.retrace(size) if self.retrace is not None else (repropagate(self.traced, size), self.plan)
+        stages = emit_variant(traced, plan, self.stages)
+        for i, stage in stages.items():
+            if stage is not self.stages[i]:
+                self._wrap(i, stage)
+        specs = [[self._spec(v.shape, v.dtype) for v in b] for b in boundary_values(traced, plan)]
+        return stages, specs
 
     def __post_init__(self) -> None:
         plan, last = self.plan, self.plan.num_stages - 1
-
-        def spec(c: Any) -> TensorSpec:
-            dtype = _dtype(c.dtype)
-            if self.compute_dtype is not None and dtype.is_floating_point:
-                dtype = self.compute_dtype
-            return TensorSpec(c.shape, dtype)
-
-        boundary = [[spec(c) for c in plan.stages[k].outputs] for k in range(last)]
+        boundary = [[self._spec(c.shape, _dtype(c.dtype)) for c in plan.stages[k].outputs] for k in range(last)]
         # Linear layers read copies cast once per step; see [Note: weight casts].
         self.weight_casts = WeightCasts.install(self.stages.values(), self.compute_dtype) \
             if self.compute_dtype is not None else None
         for i, stage in self.stages.items():
-            if self.compile_stages:  # see [Note: compiled stages]
-                stage.forward = torch.compile(stage.forward, dynamic=False)
-            if self.compute_dtype is not None or self.activation_checkpointing:
-                _wrap_forward(stage, device_type=self.mesh.device.type, compute_dtype=self.compute_dtype,
-                              cast_outputs=i != last, recompute=self.activation_checkpointing)
+            self._wrap(i, stage)
         self.timeline = Timeline(self.mesh.rank, cuda_events=self.mesh.device.type == "cuda") \
             if self.record_timeline else None
         self.loss_scale: float = 1.0  # the fp16 dynamic loss scale
@@ -143,7 +160,8 @@ class StageRuntime:
             pp_group=self.mesh.pp_group, schedule=self.schedule, microbatches=plan.microbatches,
             loss_fn=self._scaled_loss, postprocess=self.traced.unflatten_output, device=self.mesh.device,
             timeline=self.timeline, input_specs=input_specs, deadline=self.deadline, cuda_graphs=self.cuda_graphs,
-            warm_up_stages=self.compile_stages, links=self.mesh.links,
+            warm_up_stages=self.compile_stages, links=self.mesh.links, variants=self._variant,
+            split=self.batch_split,
         )
 
     def _scaled_loss(self, output: Any, target: Any) -> torch.Tensor:
@@ -281,6 +299,7 @@ class ParallelModel:
                 f"targets batch {targets.shape[0]} does not match inputs batch {inputs[0].shape[0]}; "
                 "pass one target per sample"
             )
+        self._check_split(inputs, training=True)
         self._runtime.grad_scale = float(grad_scale)
         self._refresh_weight_casts()
         try:
@@ -326,8 +345,22 @@ class ParallelModel:
         """Forward only, keeping no activations; the model's outputs (a ModelOutput stays one)
         on the ranks of the last stage, None on the others. Uses the current train/eval mode."""
         inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+        self._check_split(inputs, training=False)
         self._refresh_weight_casts()
         return self._runtime.driver.eval_step(inputs)
+
+    def _check_split(self, inputs: tuple, *, training: bool) -> None:
+        """Sequence parallelism splits every micro-batch by sample across the tp ranks."""
+        plan = self._shard_plan
+        if plan is None or not plan.sequence_parallel or plan.tp == 1 or not inputs \
+                or not isinstance(inputs[0], torch.Tensor) or inputs[0].dim() == 0:
+            return
+        batch = inputs[0].shape[0]
+        sizes = self._runtime.driver.microbatch_sizes(batch, training=training)
+        if any(n % plan.tp for n in sizes):
+            raise InputError(f"a batch of {batch} samples runs as micro-batches of {sizes} samples, and "
+                             f"sequence_parallel=True splits each across tp={plan.tp} ranks; use batches whose "
+                             f"micro-batches hold a multiple of {plan.tp} samples, or sequence_parallel=False")
 
     def _refresh_weight_casts(self) -> None:
         # The optimizer (or a load) may have changed the weights since the last step.
