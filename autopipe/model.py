@@ -456,6 +456,16 @@ class ParallelModel:
             )
         self._load_local_state(state_dict)
 
+    def zero_optimizer(self, optimizer_class: type[torch.optim.Optimizer], params: Any = None,
+                       **defaults: Any) -> torch.optim.Optimizer:
+        """``optimizer_class(self.parameters(), **defaults)`` whose state is sharded over the dp
+        replicas (torch's ZeroRedundancyOptimizer over this rank's dp group; the plain
+        optimizer when dp = 1). ``pm.step``, clipping, fp16 loss scaling, LR schedulers and
+        checkpoints take it as any optimizer. See [Note: zero redundancy] in zero.py."""
+        from .zero import zero_optimizer
+
+        return zero_optimizer(self, optimizer_class, params, **defaults)
+
     def save_checkpoint(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
                         *, extra: Any = None) -> str:
         """Save a sharded checkpoint into the directory ``path`` (collective; every rank calls it).
