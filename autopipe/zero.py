@@ -16,6 +16,10 @@ Checkpoints keep one format: ``save_checkpoint`` writes each parameter's state f
 rank that holds it, under the keys a plain optimizer's state is saved under, and
 ``load_checkpoint`` hands each rank the state of the parameters it holds. A checkpoint saved
 with ZeRO therefore loads without it, and back, in any pp x dp x tp layout.
+
+The optimizer holds its process group: let it go before ``dist.destroy_process_group()``.
+Destroyed first, gloo's group may abort the process at exit ("terminate called without an
+active exception"; seen in about half the runs on torch 2.14).
 """
 from __future__ import annotations
 
