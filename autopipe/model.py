@@ -279,7 +279,8 @@ class ParallelModel:
     # ----------------------------------------------------------------------------- steps
     def train_step(self, inputs: Any, targets: Any, *, return_outputs: bool = False,
                    grad_scale: float = 1.0) -> Any:
-        """Forward and backward of this dp replica's batch, split into the plan's micro-batches.
+        """Forward and backward of this dp replica's batch, split into the plan's micro-batches
+        (any batch size: see ``parallelize(batch_split=...)``).
 
         Adds to ``.grad`` (as ``loss.backward()`` does) ``grad_scale`` times the gradients of
         the mean loss over the global batch (every dp replica), so ``optimizer.step()`` matches
@@ -342,8 +343,9 @@ class ParallelModel:
 
     @torch.no_grad()
     def eval_step(self, inputs: Any) -> Any:
-        """Forward only, keeping no activations; the model's outputs (a ModelOutput stays one)
-        on the ranks of the last stage, None on the others. Uses the current train/eval mode."""
+        """Forward only, keeping no activations, on a batch of any size; the model's outputs (a
+        ModelOutput stays one) on the ranks of the last stage, None on the others. Uses the
+        current train/eval mode."""
         inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
         self._check_split(inputs, training=False)
         self._refresh_weight_casts()

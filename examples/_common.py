@@ -271,7 +271,7 @@ def mixed_accuracy(logits: torch.Tensor, targets: torch.Tensor, smoothing: float
     lam) * onehot(b)`` (smoothed: off-values s / C, on-values 1 - s + s / C) a prediction of
     class a scores lam, of b 1 - lam, of both 1 (a = b) and of any other class 0.
     """
-    pred = logits.argmax(dim=-1)
+    pred, targets = logits.argmax(dim=-1), targets.to(logits.device)
     if targets.dim() == 1:
         return (pred == targets).float().mean().item()
     off = smoothing / targets.shape[-1]

@@ -53,6 +53,10 @@ class PipelineDriver:
     ``store``/``deadline`` tune failure propagation (see [Note: failure propagation]).
     ``warm_up_stages`` runs each local stage once before the first step of each mode, so that
     compiled stages compile on every rank at once (see [Note: stage warm-up]).
+    ``variants(size)`` gives the stages and boundary specs for micro-batches of another size
+    (see [Note: other batch sizes]); with it, batches of any size run, split as ``split`` says
+    in training ([Note: batch splits]) and unevenly in evaluation. A rank that passes neither
+    inputs nor targets then runs the planned size, so every rank should pass the inputs.
     """
 
     def __init__(
