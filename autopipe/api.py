@@ -27,7 +27,7 @@ from .partition.partitioner import partition
 from .runtime.microbatch import SPLITS
 from .runtime.schedule import SCHEDULES, validate
 from .tracer import trace
-from .variants import export_retracer, meta_copy
+from .variants import export_retracer, meta_copy, planned_size_only
 
 __all__ = ["parallelize"]
 
@@ -139,7 +139,12 @@ def parallelize(
     traced = trace(model, tuple(example_inputs), leaf_modules=leaf_modules, exec_sequence=exec_sequence)
     # torch.export bakes the micro-batch size in: other sizes trace this copy again, taken
     # before any module is changed (see [Note: stage variants]).
-    template = meta_copy(model) if traced.route == "export" else None
+    template, uncopied = None, ""
+    if traced.route == "export":
+        try:
+            template = meta_copy(model)
+        except Exception as exc:  # noqa: BLE001 - only other batch sizes need it; they say why
+            uncopied = f"{type(model).__name__} could not be copied to trace it again ({type(exc).__name__}: {exc})"
 
     # 3. Shard for this tp rank.
     shard_plan = None
@@ -171,7 +176,7 @@ def parallelize(
     local = [s.index for s in plan.stages if s.pp_rank == pp_rank]
     stages = {i: m.to(device) for i, m in emit_stages(traced, plan, local).items()}
 
-    retrace = None
+    retrace = planned_size_only(uncopied) if uncopied else None
     if template is not None:
         retrace = export_retracer(template, traced, plan, leaf_modules=leaf_modules, tp=tp, tp_rank=tp_rank,
                                   shard_rules=shard_rules, sequence_parallel=sequence_parallel)

@@ -43,7 +43,7 @@ from .partition.plan import CutTensor, PartitionPlan
 from .tracer import TracedModel
 from .tracer.shapes import to_meta
 
-__all__ = ["meta_copy", "repropagate", "export_retracer", "emit_variant", "boundary_values"]
+__all__ = ["meta_copy", "repropagate", "export_retracer", "planned_size_only", "emit_variant", "boundary_values"]
 
 
 class _ClassForward(nn.Module):
@@ -151,6 +151,15 @@ def _renamed(plan: PartitionPlan, names: dict[str, str]) -> PartitionPlan:
     stages = [dataclasses.replace(s, nodes=[names[n] for n in s.nodes], inputs=cuts(s.inputs), outputs=cuts(s.outputs))
               for s in plan.stages]
     return dataclasses.replace(plan, stages=stages)
+
+
+def planned_size_only(why: str) -> Callable[[int], tuple[TracedModel, PartitionPlan]]:
+    """A ``retrace`` that refuses every other size, saying ``why``."""
+    def retrace(size: int) -> tuple[TracedModel, PartitionPlan]:
+        raise InputError(f"micro-batches of {size} samples need the model traced again at that size, and {why}; "
+                         "use micro-batches of the planned size")
+
+    return retrace
 
 
 def export_retracer(template: nn.Module, traced: TracedModel, plan: PartitionPlan, *,

@@ -145,3 +145,18 @@ def test_sequence_parallel_refuses_micro_batches_that_do_not_split_across_tp():
         assert "a batch of 6 samples runs as micro-batches of [3, 3] samples, and sequence_parallel=True " \
                "splits each across tp=2 ranks" in refused
         assert loss > 0
+
+
+def test_export_route_model_that_cannot_be_copied_runs_the_planned_size_only(monkeypatch):
+    import autopipe.api
+
+    def refuse(model):
+        raise TypeError("cannot pickle '_thread.lock' object")
+
+    monkeypatch.setattr(autopipe.api, "meta_copy", refuse)
+    pm = autopipe.parallelize(_model("hf_vit"), (torch.randn(MB, 3, 32, 32, dtype=torch.float64),), microbatches=2,
+                              loss_fn=_loss).eval()
+    pm.train_step(*_data(6, 0))  # the planned size
+    with pytest.raises(InputError, match=r"micro-batches of 2 samples need the model traced again at that size, and "
+                                         r"ViTForImageClassification could not be copied .*_thread.lock"):
+        pm.train_step(*_data(4, 0))
