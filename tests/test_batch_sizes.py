@@ -160,3 +160,24 @@ def test_export_route_model_that_cannot_be_copied_runs_the_planned_size_only(mon
     with pytest.raises(InputError, match=r"micro-batches of 2 samples need the model traced again at that size, and "
                                          r"ViTForImageClassification could not be copied .*_thread.lock"):
         pm.train_step(*_data(4, 0))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graphs_replay_the_planned_size_and_run_other_sizes_eagerly():
+    torch.manual_seed(0)
+    model, ref = MODELS["timm_vit"]().eval(), MODELS["timm_vit"]().eval().cuda()
+    ref.load_state_dict(model.state_dict())
+    pm = autopipe.parallelize(model, (torch.randn(MB, 3, 32, 32),), chunks=2, schedule="gpipe", microbatches=2,
+                              loss_fn=_loss, cuda_graphs=True, batch_split="uneven", device="cuda").eval()
+    for n in (6, 5, 3, 6):  # planned [3, 3] (graphs), [3, 2] (mixed), [2, 1] (eager), planned again
+        x, y = (t.float().cuda() if t.is_floating_point() else t.cuda() for t in _data(n, n))
+        for p in list(pm.parameters()) + list(ref.parameters()):
+            p.grad = None
+        loss = pm.train_step(x, y)
+        want = _loss(ref(x), y)
+        want.backward()
+        assert float(loss) == pytest.approx(want.item(), rel=1e-5)
+        grads = dict(pm.named_parameters())
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(grads[name].grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert sorted(pm._runtime.driver.shapes.built()) == [1, 2]
