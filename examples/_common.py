@@ -1,12 +1,11 @@
-"""Helpers the examples share: process group, image data, batches, the training recipes of the
-Colossal-AI tutorials (mixup/cutmix, Lamb or AdamW with warm-up, gradient accumulation,
-clipping, fp16/bf16, activation checkpointing, ZeRO, TensorBoard, checkpoints and resume), and
-:func:`fit`, the plain training loop every example runs.
+"""Helpers the examples share: process group, image data, batches, the flags of the Colossal-AI
+tutorials' training recipes (their pieces: _recipes.py), evaluation, and :func:`fit`, the plain
+training loop every example runs: mixup/cutmix, gradient accumulation, clipping, the fp16 loss
+scale, TensorBoard scalars, a checkpoint per epoch and ``--resume``.
 
-Each recipe comes from the library that has it: timm's ``Mixup``, ``SoftTargetCrossEntropy`` and
-``Lamb``, torch's learning-rate schedulers and ``torch.utils.tensorboard``; autopipe adds only
-the calls that span the mesh (``pm.train_step``, ``pm.no_sync``, ``pm.step``,
-``pm.save_checkpoint``). :func:`evaluate` and :func:`is_reporter` show how a
+autopipe adds only the calls that span the mesh (``pm.train_step``, ``pm.no_sync``, ``pm.step``,
+``pm.save_checkpoint``); the rest is the ecosystem's (timm, torch's schedulers,
+``torch.utils.tensorboard``, tqdm). :func:`evaluate` and :func:`is_reporter` show how a
 :class:`autopipe.ParallelModel` hands out its outputs: only the ranks of the last pipeline stage
 hold them, and every tensor-parallel rank there holds the same ones.
 
@@ -19,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -28,14 +26,14 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from _recipes import mixed_accuracy, warmup_schedule
+
 __all__ = [
-    "ImageData", "add_training_args", "parse_training_args", "init_distributed", "load_data", "train_batches",
-    "test_batches", "warmup_cosine", "warmup_schedule", "evaluate", "is_reporter", "world_mean", "progress",
-    "parallel_options", "make_criterion", "make_optimizer", "mixed_accuracy", "fit",
+    "ImageData", "add_training_args", "parse_training_args", "init_distributed", "load_data", "batch_sizes",
+    "train_batches", "test_batches", "evaluate", "is_reporter", "world_mean", "progress", "fit",
 ]
 
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
@@ -210,75 +208,7 @@ def test_batches(data: ImageData, batch_size: int, dp_rank: int,
         yield data.normalise(data.test_x[idx]), data.test_y[idx]
 
 
-# ----------------------------------------------------------------------------------- recipes
-def parallel_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``parallelize`` options the recipe flags set. Batches split unevenly, so the last
-    incomplete batch of an epoch trains as it is (see autopipe's [Note: batch splits])."""
-    return dict(mixed_precision=None if args.precision == "fp32" else args.precision,
-                activation_checkpointing=args.activation_checkpointing, batch_split="uneven")
-
-
-def make_criterion(args: argparse.Namespace) -> nn.Module:
-    """Cross-entropy on the labels, or on the soft targets timm's Mixup makes (which carry the
-    label smoothing then)."""
-    if args.mixup or args.cutmix:
-        from timm.loss import SoftTargetCrossEntropy
-
-        return SoftTargetCrossEntropy()
-    return nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
-
-
-def make_optimizer(pm: Any, args: argparse.Namespace) -> torch.optim.Optimizer:
-    """AdamW, timm's Lamb or SGD over this rank's parameters; ZeRO-sharded over dp with ``--zero``."""
-    kw: dict[str, Any] = dict(lr=args.lr, weight_decay=args.weight_decay)
-    if args.optimizer == "lamb":
-        from timm.optim import Lamb
-
-        # Lamb's own clipping would use this rank's gradients only: pm.step clips over the mesh.
-        cls, kw = Lamb, dict(kw, max_grad_norm=None)
-    elif args.optimizer == "sgd":
-        cls, kw = torch.optim.SGD, dict(kw, momentum=0.9, nesterov=True)
-    else:
-        cls = torch.optim.AdamW
-    return pm.zero_optimizer(cls, **kw) if args.zero else cls(pm.parameters(), **kw)
-
-
-def warmup_schedule(optimizer: torch.optim.Optimizer, total_steps: int, warmup: float,
-                    decay: str = "cosine") -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warm-up over ``warmup * total_steps`` steps, then cosine or linear decay to zero
-    (Colossal-AI's CosineAnnealingWarmupLR and LinearWarmupLR); step it per optimizer step."""
-    warm = max(1, round(warmup * total_steps))
-
-    def factor(step: int) -> float:
-        if step < warm:
-            return (step + 1) / warm
-        done = min(1.0, (step - warm) / max(1, total_steps - warm))
-        return 0.5 * (1 + math.cos(math.pi * done)) if decay == "cosine" else 1 - done
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int,
-                  warmup: float) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warm-up over ``warmup * total_steps`` steps, then cosine decay to zero."""
-    return warmup_schedule(optimizer, total_steps, warmup, "cosine")
-
-
-def mixed_accuracy(logits: torch.Tensor, targets: torch.Tensor, smoothing: float = 0.0) -> float:
-    """Top-1 accuracy that counts a mixed sample as far as the prediction hits its mix.
-
-    With labels it is the plain accuracy. With timm's Mixup targets ``lam * onehot(a) + (1 -
-    lam) * onehot(b)`` (smoothed: off-values s / C, on-values 1 - s + s / C) a prediction of
-    class a scores lam, of b 1 - lam, of both 1 (a = b) and of any other class 0.
-    """
-    pred, targets = logits.argmax(dim=-1), targets.to(logits.device)
-    if targets.dim() == 1:
-        return (pred == targets).float().mean().item()
-    off = smoothing / targets.shape[-1]
-    on = 1 - smoothing + off
-    return ((targets.gather(1, pred[:, None]) - off) / (on - off)).mean().item()
-
-
+# ----------------------------------------------------------------------------------- evaluation
 def is_reporter(pm: Any) -> bool:
     """The one rank that prints progress: it holds the loss and the outputs (the last stage), and is
     the first of the identical tensor-parallel ranks there and of the data-parallel replicas."""
@@ -329,6 +259,35 @@ def _seed_epoch(seed: int, epoch: int, dp_rank: int) -> None:
     torch.manual_seed(seed * 1_000_003 + epoch)
 
 
+def _resume(pm: Any, optimizer: torch.optim.Optimizer, scheduler: Any, args: argparse.Namespace,
+            reporter: bool) -> tuple[int, int]:
+    """Loads the last checkpoint in ``--checkpoint``; returns the step count and the next epoch."""
+    extra = pm.load_checkpoint(args.checkpoint, optimizer)
+    scheduler.load_state_dict(extra["scheduler"])
+    if reporter:
+        print(f"resumed from {args.checkpoint} after epoch {extra['epoch']} (step {extra['step']})", flush=True)
+    return extra["step"], extra["epoch"] + 1
+
+
+def _accumulate(pm: Any, batches: list[tuple[torch.Tensor, torch.Tensor]], mixup: Any, smoothing: float,
+                logits: Callable[[Any], torch.Tensor]) -> tuple[float, float]:
+    """Gradients of one optimizer step's batches, each weighed by its share of their samples;
+    returns this replica's mean loss (every rank) and mixed accuracy (last stage, else 0)."""
+    n = sum(len(x) for x, _ in batches)
+    loss, hits = 0.0, 0.0
+    for i, (images, labels) in enumerate(batches):
+        targets = labels
+        if mixup is not None:
+            images, targets = mixup(images, labels)
+        # One dp all-reduce per step: every batch but the last accumulates under no_sync().
+        with contextlib.nullcontext() if i == len(batches) - 1 else pm.no_sync():
+            part, out = pm.train_step(images, targets, return_outputs=True, grad_scale=len(images) / n)
+        loss += part.item() * len(images) / n
+        if out is not None:
+            hits += mixed_accuracy(logits(out), targets, smoothing) * len(images) / n
+    return loss, hits
+
+
 def fit(pm: Any, optimizer: torch.optim.Optimizer, data: ImageData, args: argparse.Namespace, *,
         logits: Callable[[Any], torch.Tensor] = lambda o: o) -> float:
     """The training loop every example shares; returns the final test accuracy.
@@ -362,14 +321,7 @@ def fit(pm: Any, optimizer: torch.optim.Optimizer, data: ImageData, args: argpar
         from torch.utils.tensorboard import SummaryWriter
 
         writer = SummaryWriter(args.tensorboard)
-
-    step, first = 0, 1
-    if args.resume:
-        extra = pm.load_checkpoint(args.checkpoint, optimizer)
-        scheduler.load_state_dict(extra["scheduler"])
-        step, first = extra["step"], extra["epoch"] + 1
-        if reporter:
-            print(f"resumed from {args.checkpoint} after epoch {extra['epoch']} (step {step})", flush=True)
+    step, first = _resume(pm, optimizer, scheduler, args, reporter) if args.resume else (0, 1)
     accuracy = 0.0
     for epoch in range(first, args.epochs + 1):
         if step >= total_steps:
@@ -384,19 +336,7 @@ def fit(pm: Any, optimizer: torch.optim.Optimizer, data: ImageData, args: argpar
         for group in bar:
             tick = time.perf_counter()
             n = sum(group)  # this replica's samples in the step
-            loss, hits = 0.0, 0.0
-            for i in range(len(group)):
-                images, labels = next(batches)
-                targets = labels
-                if mixup is not None:
-                    images, targets = mixup(images, labels)
-                # One dp all-reduce per step: every batch but the last accumulates under no_sync().
-                sync = contextlib.nullcontext() if i == len(group) - 1 else pm.no_sync()
-                with sync:
-                    part, out = pm.train_step(images, targets, return_outputs=True, grad_scale=len(images) / n)
-                loss += part.item() * len(images) / n  # this replica's mean loss, on every rank
-                if out is not None:
-                    hits += mixed_accuracy(logits(out), targets, args.label_smoothing) * len(images) / n
+            loss, hits = _accumulate(pm, [next(batches) for _ in group], mixup, args.label_smoothing, logits)
             lr = scheduler.get_last_lr()[0]  # this step's
             result = pm.step(optimizer, max_norm=args.clip or None)
             optimizer.zero_grad(set_to_none=True)

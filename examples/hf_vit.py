@@ -25,10 +25,8 @@ import torch.distributed as dist
 from transformers import ViTConfig, ViTForImageClassification
 
 import autopipe
-from _common import (
-    add_training_args, fit, init_distributed, load_data, make_criterion, make_optimizer, parallel_options,
-    parse_training_args,
-)
+from _common import add_training_args, fit, init_distributed, load_data, parse_training_args
+from _recipes import make_criterion, make_optimizer, parallel_options
 
 
 def parse_args() -> argparse.Namespace:

@@ -29,10 +29,8 @@ import torch.distributed as dist
 import torchvision
 
 import autopipe
-from _common import (
-    add_training_args, fit, init_distributed, load_data, make_criterion, make_optimizer, parallel_options,
-    parse_training_args,
-)
+from _common import add_training_args, fit, init_distributed, load_data, parse_training_args
+from _recipes import make_criterion, make_optimizer, parallel_options
 
 # The forward of torchvision's ResNet as a chain: each item takes the previous item's output.
 EXEC_SEQUENCE = [

@@ -51,10 +51,8 @@ import torch
 import torch.distributed as dist
 
 import autopipe
-from _common import (
-    add_training_args, fit, init_distributed, load_data, make_criterion, make_optimizer, parallel_options,
-    parse_training_args,
-)
+from _common import add_training_args, fit, init_distributed, load_data, parse_training_args
+from _recipes import make_criterion, make_optimizer, parallel_options
 
 LAYOUTS = {"data": (1, 1), "pipeline": (2, 1), "hybrid": (2, 2)}  # --parallel -> (pp, tp)
 

@@ -90,7 +90,8 @@ def test_mixed_accuracy_counts_each_sample_by_its_share_of_the_prediction():
     from timm.data.mixup import mixup_target
 
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent / "examples"))
-    from _common import batch_sizes, mixed_accuracy
+    from _common import batch_sizes
+    from _recipes import mixed_accuracy
 
     labels = torch.tensor([1, 2, 3, 3])  # mixed with the batch reversed: (1, 3), (2, 3), (3, 2), (3, 1)
     targets = mixup_target(labels, 10, lam=0.7, smoothing=0.1)

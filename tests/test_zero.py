@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 
-import pytest
 import torch
 import torch.nn.functional as F
 
