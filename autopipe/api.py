@@ -29,15 +29,18 @@ from .model import ParallelModel, StageRuntime
 from .partition.mlp_pieces import split_mlps as cut_mlps
 from .partition.partitioner import partition
 from .runtime.batchnorm import BatchNormStats, check_batchnorm
+from .runtime.microbatch import SPLITS
 from .runtime.schedule import SCHEDULES, validate
 from .tracer import trace
+from .variants import export_retracer, meta_copy, planned_size_only
 
 __all__ = ["parallelize"]
 
 _PRECISIONS = {None: None, "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _check(loss_fn: Any, schedule: str, pp: int, chunks: int, microbatches: int, mixed_precision: Any) -> None:
+def _check(loss_fn: Any, schedule: str, pp: int, chunks: int, microbatches: int, mixed_precision: Any,
+           batch_split: str) -> None:
     if not callable(loss_fn):
         raise ConfigError("loss_fn must be a callable loss_fn(model_output, target) -> scalar tensor")
     if schedule not in SCHEDULES or schedule == "forward_only":
@@ -46,6 +49,8 @@ def _check(loss_fn: Any, schedule: str, pp: int, chunks: int, microbatches: int,
         )
     if mixed_precision not in _PRECISIONS:
         raise ConfigError(f"mixed_precision={mixed_precision!r}; use None, 'bf16' or 'fp16'")
+    if batch_split not in SPLITS:
+        raise ConfigError(f"batch_split={batch_split!r}; use one of {', '.join(map(repr, SPLITS))}")
     validate(schedule, pp, microbatches, chunks)
 
 
@@ -83,6 +88,7 @@ def parallelize(
     batchnorm: str = "deferred",
     costs: str | os.PathLike | MeasuredCosts = "analytic",
     measure: MeasureOptions | None = None,
+    batch_split: str = "equal",
 ) -> ParallelModel:
     """Parallelize ``model`` over the processes torchrun started; returns a :class:`ParallelModel`.
 
@@ -114,10 +120,18 @@ def parallelize(
     made by ``autopipe profile`` (a path or a MeasuredCosts; see [Note: measured costs]).
     ``measure`` tunes the measuring (autopipe.measure.MeasureOptions: segments, repetitions, the
     max/mean target of the closed loop, the cache).
+
+    Batches may hold any number of samples: stage boundary shapes follow from the batch (see
+    [Note: stage variants]). ``batch_split="equal"`` requires a training batch that splits into
+    ``microbatches`` equal micro-batches; ``"uneven"`` splits any batch into micro-batches whose
+    sizes differ by at most one, weighing each micro-batch's loss by its share of the batch,
+    and runs a batch smaller than ``microbatches`` as one micro-batch per sample (see [Note:
+    batch splits]). Evaluation batches always split unevenly.
     """
     # 1. Local checks: every rank raises the same error before any collective.
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
+    leaf_modules = tuple(leaf_modules)  # read again by re-traces at other batch sizes
     schedule = schedule or ("interleaved_1f1b" if chunks > 1 else "1f1b")
     if cuda_graphs and tp > 1:
         raise ConfigError(f"cuda_graphs=True with tp={tp}: stages holding tensor-parallel collectives are "
@@ -131,7 +145,7 @@ def parallelize(
                           "without it is right) or compile_stages=False")
     world = dist.get_world_size() if dist.is_initialized() else 1
     dims = ParallelDims(pp, tp, world)
-    _check(loss_fn, schedule, pp, chunks, microbatches, mixed_precision)
+    _check(loss_fn, schedule, pp, chunks, microbatches, mixed_precision, batch_split)
     _check_costs(costs, measure)
     check_batchnorm(None, batchnorm, cuda_graphs=cuda_graphs)
     device = torch.device(device) if device is not None else default_device()
@@ -153,6 +167,14 @@ def parallelize(
 
     # 2. Trace.
     traced = trace(model, tuple(example_inputs), leaf_modules=leaf_modules, exec_sequence=exec_sequence)
+    # torch.export bakes the micro-batch size in: other sizes trace this copy again, taken
+    # before any module is changed (see [Note: stage variants]).
+    template, uncopied = None, ""
+    if traced.route == "export":
+        try:
+            template = meta_copy(model)
+        except Exception as exc:  # noqa: BLE001 - only other batch sizes need it; they say why
+            uncopied = f"{type(model).__name__} could not be copied to trace it again ({type(exc).__name__}: {exc})"
 
     # 3. Shard for this tp rank. Measured costs time tp rank 0's graph with its collectives
     # standing in (no group yet, and every rank must time the same graph): a plan names nodes,
@@ -198,10 +220,14 @@ def parallelize(
     stages = {i: m.to(device) for i, m in emit_stages(traced, plan, local).items()}
     norms = BatchNormStats.install(stages.values(), batchnorm, mesh.dp_group, dims.dp)
 
+    retrace = planned_size_only(uncopied) if uncopied else None
+    if template is not None:
+        retrace = export_retracer(template, traced, plan, leaf_modules=leaf_modules, tp=tp, tp_rank=tp_rank,
+                                  shard_rules=shard_rules, sequence_parallel=sequence_parallel)
     runtime = StageRuntime(
         plan=plan, traced=traced, stages=stages, mesh=mesh, schedule=schedule, loss_fn=loss_fn,
         compute_dtype=_PRECISIONS[mixed_precision], activation_checkpointing=activation_checkpointing,
         deadline=deadline, record_timeline=record_timeline, cuda_graphs=cuda_graphs,
-        compile_stages=compile_stages, batchnorm=norms,
+        compile_stages=compile_stages, batchnorm=norms, retrace=retrace, batch_split=batch_split,
     )
     return ParallelModel(model, runtime, shard_plan=shard_plan, fp16=mixed_precision == "fp16")

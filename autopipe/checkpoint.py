@@ -12,7 +12,9 @@ torch.distributed.checkpoint (DCP).
 Keys are the unmodified model's names with full shapes: ``model.<name>`` and, per parameter,
 ``optim.<name>.<state>`` (exp_avg, momentum_buffer, step...). Tensor-parallel shards are
 gathered over tp, and only tp rank 0 of dp replica 0 of each pipeline rank writes its stages,
-so the files are split over pp ranks and nothing is written twice. Because the keys do not
+so the files are split over pp ranks and nothing is written twice. Under ZeRO (zero.py) each
+dp replica's tp rank 0 writes the optimizer state of the parameters its replica holds, under
+the same keys, and a load reads into each rank only the state of the parameters it holds. Because the keys do not
 depend on the layout, a checkpoint loads into any pp x dp x tp layout of the same model.
 An MLP cut across stages (plan.mlp_pieces) is saved as its pieces, ``model.<name>[a:b]``
 (rows a to b) or ``model.<name>[:,a:b]`` (columns), and ``optim.<name>[a:b].<state>``, written
@@ -53,6 +55,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from .errors import CheckpointError
 from .partition.mlp_pieces import PieceParam, piece_params
 from .shard.state import merge_shards, shard_tensor
+from .zero import held_parameters, local_optimizer
 
 if TYPE_CHECKING:
     from .model import ParallelModel
@@ -204,12 +207,15 @@ def _stored_shape(parts: list[tuple[int, tuple[int, ...]]]) -> tuple[int, ...] |
 def _optimizer_state(pm: ParallelModel, optimizer: torch.optim.Optimizer,
                      names: dict[int, str]) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
     """Tensors keyed ``optim.<name>.<state>`` (full shapes), and per parameter its group's
-    hyperparameters, non-tensor state and tensor state keys. Collective over tp."""
+    hyperparameters, non-tensor state and tensor state keys: of every parameter, or under
+    ZeRO of those this rank holds (the same on every tp rank). Collective over tp."""
     tensors: dict[str, torch.Tensor] = {}
     info: dict[str, dict] = {}
-    entries = [(names[id(p)], p, g) for g in optimizer.param_groups for p in g["params"]]
+    held, states = held_parameters(optimizer), local_optimizer(optimizer).state
+    entries = [(names[id(p)], p, g) for g in optimizer.param_groups for p in g["params"]
+               if held is None or id(p) in held]
     for name, p, group in sorted(entries, key=lambda e: e[0]):  # same order on every tp rank
-        state = optimizer.state.get(p, {})
+        state = states.get(p, {})
         keys = sorted(k for k, v in state.items() if isinstance(v, torch.Tensor))
         stored = _stored_name(pm, name)
         info[stored] = {
@@ -306,13 +312,15 @@ def save_checkpoint(pm: ParallelModel, path: str | os.PathLike, optimizer: torch
     error, state, info = None, {}, {}
     try:
         os.makedirs(target, exist_ok=True)
+        model, optim = {}, {}
         if pm.dp_rank == 0:
             model = {f"model.{_stored_name(pm, k)}": v for k, v in pm._local_full_state().items()}
-            optim, info = _optimizer_state(pm, optimizer, names) if optimizer is not None else ({}, {})
-            if pm.tp_rank == 0:
-                state = {**model, **optim}
-            else:
-                info = {}
+        if optimizer is not None and (pm.dp_rank == 0 or held_parameters(optimizer) is not None):
+            optim, info = _optimizer_state(pm, optimizer, names)
+        if pm.tp_rank == 0:
+            state = {**model, **optim}
+        else:
+            info = {}
     except Exception as exc:  # noqa: BLE001 - agreed on below
         error = _describe(exc)
     try:
@@ -438,9 +446,12 @@ def _targets(pm: ParallelModel, optimizer: torch.optim.Optimizer | None,
                               "optimizer=); call load_checkpoint(path) without the optimizer and start it afresh")
     names = _param_names(pm, optimizer)
     stored = _index(states)
+    held = held_parameters(optimizer)
     for g in optimizer.param_groups:
         for p in g["params"]:
             name, _ = _full_name(pm, names[id(p)])
+            if held is not None and id(p) not in held:
+                continue  # another dp rank's under ZeRO
             if name not in stored:
                 raise CheckpointError(f"checkpoint {where!r} holds no optimizer state for parameter '{name}'; "
                                       "build the optimizer over the same parameters as when it was saved")
@@ -455,6 +466,7 @@ def _apply_optimizer(pm: ParallelModel, optimizer: torch.optim.Optimizer, states
                      loaded: dict[str, torch.Tensor]) -> None:
     names = _param_names(pm, optimizer)
     stored = _index(states)
+    mine = held_parameters(optimizer)  # under ZeRO the state dict holds this rank's states only
     sd: dict[str, Any] = {"state": {}, "param_groups": []}
     index = 0
     for g in optimizer.param_groups:
@@ -466,10 +478,10 @@ def _apply_optimizer(pm: ParallelModel, optimizer: torch.optim.Optimizer, states
             entry = states[parts[0][2]]
             hyper = hyper if hyper is not None else entry["group"]
             st = dict(entry["values"])
-            for k in entry["tensors"]:
+            for k in entry["tensors"] if mine is None or id(p) in mine else ():
                 t = _assemble([loaded[f"optim.{part}.{k}"] for _, _, part in parts], parts[0][0])
                 st[k] = _tp_local(pm, name, t if held is None else held.of(t).clone())
-            if st:
+            if st and (mine is None or id(p) in mine):
                 sd["state"][index] = st
             ids.append(index)
             index += 1

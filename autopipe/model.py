@@ -122,27 +122,44 @@ class StageRuntime:
     cuda_graphs: bool = False
     compile_stages: bool = False
     batchnorm: BatchNormStats | None = None  # deferred running statistics (runtime/batchnorm.py)
+    # Another micro-batch size's graph, for routes that bake the size in (see [Note: stage variants]).
+    retrace: Callable[[int], tuple[TracedModel, PartitionPlan]] | None = None
+    batch_split: str = "equal"  # see [Note: batch splits] in runtime/microbatch.py
+
+    def _spec(self, shape: Any, dtype: torch.dtype) -> TensorSpec:
+        if self.compute_dtype is not None and dtype.is_floating_point:
+            dtype = self.compute_dtype
+        return TensorSpec(tuple(shape), dtype)
+
+    def _wrap(self, i: int, stage: nn.Module) -> None:
+        if self.compile_stages:  # see [Note: compiled stages]
+            stage.forward = torch.compile(stage.forward, dynamic=False)
+        if self.compute_dtype is not None or self.activation_checkpointing:
+            _wrap_forward(stage, device_type=self.mesh.device.type, compute_dtype=self.compute_dtype,
+                          cast_outputs=i != self.plan.num_stages - 1, recompute=self.activation_checkpointing,
+                          norms=self.batchnorm)
+
+    def _variant(self, size: int) -> tuple[dict[int, nn.Module], list[list[TensorSpec]]]:
+        """This rank's stages and the boundary specs at ``size`` samples per micro-batch; see
+        [Note: stage variants] in variants.py."""
+        from .variants import boundary_values, emit_variant, repropagate
+
+        traced, plan = self.retrace(size) if self.retrace is not None else (repropagate(self.traced, size), self.plan)
+        stages = emit_variant(traced, plan, self.stages)
+        for i, stage in stages.items():
+            if stage is not self.stages[i]:
+                self._wrap(i, stage)
+        specs = [[self._spec(v.shape, v.dtype) for v in b] for b in boundary_values(traced, plan)]
+        return stages, specs
 
     def __post_init__(self) -> None:
         plan, last = self.plan, self.plan.num_stages - 1
-
-        def spec(c: Any) -> TensorSpec:
-            dtype = _dtype(c.dtype)
-            if self.compute_dtype is not None and dtype.is_floating_point:
-                dtype = self.compute_dtype
-            return TensorSpec(c.shape, dtype)
-
-        boundary = [[spec(c) for c in plan.stages[k].outputs] for k in range(last)]
+        boundary = [[self._spec(c.shape, _dtype(c.dtype)) for c in plan.stages[k].outputs] for k in range(last)]
         # Linear layers read copies cast once per step; see [Note: weight casts].
         self.weight_casts = WeightCasts.install(self.stages.values(), self.compute_dtype) \
             if self.compute_dtype is not None else None
         for i, stage in self.stages.items():
-            if self.compile_stages:  # see [Note: compiled stages]
-                stage.forward = torch.compile(stage.forward, dynamic=False)
-            if self.compute_dtype is not None or self.activation_checkpointing:
-                _wrap_forward(stage, device_type=self.mesh.device.type, compute_dtype=self.compute_dtype,
-                              cast_outputs=i != last, recompute=self.activation_checkpointing,
-                              norms=self.batchnorm)
+            self._wrap(i, stage)
         self.timeline = Timeline(self.mesh.rank, cuda_events=self.mesh.device.type == "cuda") \
             if self.record_timeline else None
         self.loss_scale: float = 1.0  # the fp16 dynamic loss scale
@@ -153,7 +170,8 @@ class StageRuntime:
             pp_group=self.mesh.pp_group, schedule=self.schedule, microbatches=plan.microbatches,
             loss_fn=self._scaled_loss, postprocess=self.traced.unflatten_output, device=self.mesh.device,
             timeline=self.timeline, input_specs=input_specs, deadline=self.deadline, cuda_graphs=self.cuda_graphs,
-            warm_up_stages=self.compile_stages, links=self.mesh.links,
+            warm_up_stages=self.compile_stages, links=self.mesh.links, variants=self._variant,
+            split=self.batch_split,
         )
 
     def _scaled_loss(self, output: Any, target: Any) -> torch.Tensor:
@@ -271,7 +289,8 @@ class ParallelModel:
     # ----------------------------------------------------------------------------- steps
     def train_step(self, inputs: Any, targets: Any, *, return_outputs: bool = False,
                    grad_scale: float = 1.0) -> Any:
-        """Forward and backward of this dp replica's batch, split into the plan's micro-batches.
+        """Forward and backward of this dp replica's batch, split into the plan's micro-batches
+        (any batch size: see ``parallelize(batch_split=...)``).
 
         Adds to ``.grad`` (as ``loss.backward()`` does) ``grad_scale`` times the gradients of
         the mean loss over the global batch (every dp replica), so ``optimizer.step()`` matches
@@ -291,6 +310,7 @@ class ParallelModel:
                 f"targets batch {targets.shape[0]} does not match inputs batch {inputs[0].shape[0]}; "
                 "pass one target per sample"
             )
+        self._check_split(inputs, training=True)
         self._runtime.grad_scale = float(grad_scale)
         self._refresh_weight_casts()
         norms = self._runtime.batchnorm  # see [Note: deferred batch norm]
@@ -335,11 +355,26 @@ class ParallelModel:
 
     @torch.no_grad()
     def eval_step(self, inputs: Any) -> Any:
-        """Forward only, keeping no activations; the model's outputs (a ModelOutput stays one)
-        on the ranks of the last stage, None on the others. Uses the current train/eval mode."""
+        """Forward only, keeping no activations, on a batch of any size; the model's outputs (a
+        ModelOutput stays one) on the ranks of the last stage, None on the others. Uses the
+        current train/eval mode."""
         inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+        self._check_split(inputs, training=False)
         self._refresh_weight_casts()
         return self._runtime.driver.eval_step(inputs)
+
+    def _check_split(self, inputs: tuple, *, training: bool) -> None:
+        """Sequence parallelism splits every micro-batch by sample across the tp ranks."""
+        plan = self._shard_plan
+        if plan is None or not plan.sequence_parallel or plan.tp == 1 or not inputs \
+                or not isinstance(inputs[0], torch.Tensor) or inputs[0].dim() == 0:
+            return
+        batch = inputs[0].shape[0]
+        sizes = self._runtime.driver.microbatch_sizes(batch, training=training)
+        if any(n % plan.tp for n in sizes):
+            raise InputError(f"a batch of {batch} samples runs as micro-batches of {sizes} samples, and "
+                             f"sequence_parallel=True splits each across tp={plan.tp} ranks; use batches whose "
+                             f"micro-batches hold a multiple of {plan.tp} samples, or sequence_parallel=False")
 
     def _refresh_weight_casts(self) -> None:
         # The optimizer (or a load) may have changed the weights since the last step.
@@ -434,6 +469,16 @@ class ParallelModel:
                 f"state_dict does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
             )
         self._load_local_state(state_dict)
+
+    def zero_optimizer(self, optimizer_class: type[torch.optim.Optimizer], params: Any = None,
+                       **defaults: Any) -> torch.optim.Optimizer:
+        """``optimizer_class(self.parameters(), **defaults)`` whose state is sharded over the dp
+        replicas (torch's ZeroRedundancyOptimizer over this rank's dp group; the plain
+        optimizer when dp = 1). ``pm.step``, clipping, fp16 loss scaling, LR schedulers and
+        checkpoints take it as any optimizer. See [Note: zero redundancy] in zero.py."""
+        from .zero import zero_optimizer
+
+        return zero_optimizer(self, optimizer_class, params, **defaults)
 
     def save_checkpoint(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
                         *, extra: Any = None) -> str:

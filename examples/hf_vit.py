@@ -14,18 +14,19 @@ Run on CPU (4 processes over gloo, bundled digits data):
 On GPUs (one process per GPU over NCCL; the same script, unchanged), on CIFAR-10:
 
     torchrun --standalone --nproc-per-node 8 examples/hf_vit.py --pp 2 --tp 4 --data ~/data/cifar10 \\
-        --hidden-size 384 --layers 12 --heads 8 --batch-size 256 --microbatches 8 --epochs 50 --bf16
+        --hidden-size 384 --layers 12 --heads 8 --batch-size 256 --microbatches 8 --epochs 50 --precision bf16
 """
 from __future__ import annotations
 
 import argparse
 
 import torch
-import torch.nn as nn
+import torch.distributed as dist
 from transformers import ViTConfig, ViTForImageClassification
 
 import autopipe
 from _common import add_training_args, fit, init_distributed, load_data, parse_training_args
+from _recipes import make_criterion, make_optimizer, parallel_options
 
 
 def parse_args() -> argparse.Namespace:
@@ -37,8 +38,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--patch-size", type=int, default=None,
                    help="default: 16 on the digits (upsampled 8x8 images hold little detail), 4 on CIFAR-10")
-    p.add_argument("--weight-decay", type=float, default=0.05)
-    p.add_argument("--bf16", action="store_true", help="bf16 autocast; parameters and optimizer stay fp32")
     add_training_args(p, batch_size=16, microbatches=4, lr=1e-3, epochs=3)
     return parse_training_args(p)
 
@@ -56,17 +55,18 @@ def main() -> None:
         num_labels=10,
     )
     model = ViTForImageClassification(config)
-    criterion = nn.CrossEntropyLoss(label_smoothing=0.1)
+    criterion = make_criterion(args)
 
-    def loss_fn(out, labels):  # out: the ImageClassifierOutput of the whole model
-        return criterion(out.logits, labels)
+    def loss_fn(out, targets):  # out: the ImageClassifierOutput of the whole model
+        return criterion(out.logits, targets)
 
     pm = autopipe.parallelize(
         model, (torch.randn(args.batch_size // args.microbatches, 3, 32, 32),), pp=args.pp, tp=args.tp,
-        microbatches=args.microbatches, loss_fn=loss_fn, mixed_precision="bf16" if args.bf16 else None,
+        microbatches=args.microbatches, loss_fn=loss_fn, **parallel_options(args),
     )
-    optimizer = torch.optim.AdamW(pm.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    fit(pm, optimizer, data, args, max_norm=1.0, logits=lambda out: out.logits)
+    fit(pm, make_optimizer(pm, args), data, args, logits=lambda out: out.logits)
+    # Only now: a ZeroRedundancyOptimizer (--zero) holds its process group until it is freed.
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

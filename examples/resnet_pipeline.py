@@ -25,11 +25,12 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.nn as nn
+import torch.distributed as dist
 import torchvision
 
 import autopipe
 from _common import add_training_args, fit, init_distributed, load_data, parse_training_args
+from _recipes import make_criterion, make_optimizer, parallel_options
 
 # The forward of torchvision's ResNet as a chain: each item takes the previous item's output.
 EXEC_SEQUENCE = [
@@ -47,9 +48,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--split", choices=["auto", "manual"], default="auto",
                    help="auto: cost model on the fx graph; manual: exec_sequence and split points")
     p.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b")
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--weight-decay", type=float, default=5e-4)
-    add_training_args(p, batch_size=32, microbatches=4, lr=0.05, epochs=3)
+    add_training_args(p, batch_size=32, microbatches=4, lr=0.05, epochs=3, optimizer="sgd", weight_decay=5e-4,
+                      clip=None, label_smoothing=0.0)
     args = parse_training_args(p)
     if args.split == "manual" and args.pp not in SPLIT_POINTS:
         p.error(f"--split manual has split points for --pp {' or '.join(map(str, SPLIT_POINTS))}, not {args.pp}")
@@ -73,11 +73,12 @@ def main() -> None:
         split = dict(exec_sequence=EXEC_SEQUENCE, balance=SPLIT_POINTS[args.pp])
     pm = autopipe.parallelize(
         model, (torch.randn(args.batch_size // args.microbatches, 3, 32, 32),), pp=args.pp,
-        microbatches=args.microbatches, schedule=args.schedule, loss_fn=nn.CrossEntropyLoss(), **split,
+        microbatches=args.microbatches, schedule=args.schedule, loss_fn=make_criterion(args), **split,
+        **parallel_options(args),
     )
-    optimizer = torch.optim.SGD(pm.parameters(), lr=args.lr, momentum=args.momentum, nesterov=True,
-                                weight_decay=args.weight_decay)
-    fit(pm, optimizer, data, args)
+    fit(pm, make_optimizer(pm, args), data, args)
+    # Only now: a ZeroRedundancyOptimizer (--zero) holds its process group until it is freed.
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -15,9 +15,10 @@ from torch.distributed.distributed_c10d import _get_default_store
 from torch.utils import _pytree as pytree
 
 from autopipe.errors import ConfigError, InputError, ScheduleError
+from autopipe.runtime.batch_shapes import BatchShapes, Shapes
 from autopipe.runtime.graphs import StageGraphs, slots_per_stage
 from autopipe.runtime.failure import DEFAULT_DEADLINE, FailureMonitor, failure_key
-from autopipe.runtime.microbatch import merge, split_inputs, split_targets
+from autopipe.runtime.microbatch import SPLITS, batch_size, merge, microbatch_sizes, split_inputs, split_targets
 from autopipe.runtime.p2p import (
     P2P, BufferPool, Link, TensorSpec, Transfer, check_boundary, floating_indices, link_groups,
 )  # fmt: skip
@@ -52,6 +53,10 @@ class PipelineDriver:
     ``store``/``deadline`` tune failure propagation (see [Note: failure propagation]).
     ``warm_up_stages`` runs each local stage once before the first step of each mode, so that
     compiled stages compile on every rank at once (see [Note: stage warm-up]).
+    ``variants(size)`` gives the stages and boundary specs for micro-batches of another size
+    (see [Note: other batch sizes]); with it, batches of any size run, split as ``split`` says
+    in training ([Note: batch splits]) and unevenly in evaluation. A rank that passes neither
+    inputs nor targets then runs the planned size, so every rank should pass the inputs.
     """
 
     def __init__(
@@ -75,8 +80,12 @@ class PipelineDriver:
         cuda_graphs: bool = False,
         warm_up_stages: bool = False,
         links: dict[Link, dist.ProcessGroup] | None = None,
+        variants: Callable[[int], Shapes] | None = None,
+        split: str = "equal",
     ) -> None:
         validate(schedule, pp, microbatches, chunks)
+        if split not in SPLITS:
+            raise ConfigError(f"split={split!r}; use one of {', '.join(map(repr, SPLITS))}")
         n = pp * chunks
         _check_layout(stages, boundary_specs, pp, chunks, pp_rank, pp_group)
         self.stages = stages
@@ -87,6 +96,10 @@ class PipelineDriver:
         self.timeline, self.input_specs = timeline, input_specs
         self._last = n - 1
         self._specs = [list(b) for b in boundary_specs]
+        self.split = split
+        # Stages and specs per micro-batch size; see [Note: other batch sizes].
+        self.shapes = BatchShapes(stages, self._specs, input_specs, variants)
+        self._programs: dict[tuple[str, int], list[Step]] = {}
         self._in_float = {s: floating_indices(self._specs[s - 1]) if s else () for s in stages}
         self._out_float = {s: floating_indices(self._specs[s]) if s < n - 1 else () for s in stages}
         self.p2p = P2P(pp_group, links if links is not None else _own_links(pp_group)) if pp > 1 else None
@@ -106,10 +119,10 @@ class PipelineDriver:
         self.cuda_graphs = cuda_graphs
         self._graphs: dict[int, StageGraphs] = {}  # captured at the first train step
         self.warm_up_stages = warm_up_stages
-        self._warm: set[tuple[int, bool, bool]] = set()  # (stage, training, grad) already run
+        self._warm: set[tuple] = set()  # (stage, micro-batch size, training, grad) already run
         self._slot: dict[tuple[int, int], int] = {}
-        self._train_program = None if schedule == "forward_only" else self._compile(schedule)
-        self._eval_program = self._compile("forward_only")
+        self._train_program = None if schedule == "forward_only" else self._program(schedule, microbatches)
+        self._eval_program = self._program("forward_only", microbatches)
         self._reset()
         if pp > 1:
             self._last_global = self.p2p.global_rank(self._last % pp)
@@ -121,10 +134,17 @@ class PipelineDriver:
                 self.p2p.connect(self._links_used(), self.device, self.monitor.wait)
 
     def train(self, mode: bool = True) -> PipelineDriver:
-        """Sets train/eval mode of every local stage (dropout, batch norm)."""
-        for module in self.stages.values():
-            module.train(mode)
+        """Sets train/eval mode of every local stage (dropout, batch norm), at every batch size."""
+        self.shapes.train(mode)
         return self
+
+    def microbatch_sizes(self, batch: int, *, training: bool = True) -> list[int]:
+        """The micro-batch sizes a batch of ``batch`` samples runs as (see [Note: batch splits]):
+        ``split`` for training, uneven for evaluation; m equal ones of the planned size when
+        the driver has no ``variants``."""
+        if self.shapes.variants is None:
+            return microbatch_sizes(batch, self.microbatches, "equal")
+        return microbatch_sizes(batch, self.microbatches, self.split if training else "uneven")
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """Parameters of the local stages, for the optimizer."""
@@ -146,12 +166,11 @@ class PipelineDriver:
                                 "driver with schedule='gpipe', '1f1b' or 'interleaved_1f1b'")
         try:
             with self.monitor.guard():
+                program = self._prepare(inputs, targets, grad=True, keep=return_outputs)
                 if self.cuda_graphs:
                     self._capture_graphs()
-                else:
-                    self._warm_up(grad=True)
-                self._prepare(inputs, targets, grad=True, keep=return_outputs)
-                self._run(self._train_program)
+                self._warm_up(grad=True)
+                self._run(program)
                 loss = self._broadcast_loss()
                 outputs = self._collect() if return_outputs else None
         finally:
@@ -166,27 +185,27 @@ class PipelineDriver:
         """
         try:
             with self.monitor.guard(), torch.no_grad():
+                program = self._prepare(inputs, None, grad=False, keep=True)
                 self._warm_up(grad=False)
-                self._prepare(inputs, None, grad=False, keep=True)
-                self._run(self._eval_program)
+                self._run(program)
                 return self._collect()
         finally:
             self._reset()
 
-    def _stage_inputs(self, s: int) -> tuple[list[TensorSpec], list[bool]]:
-        """Stage ``s``'s input specs for one micro-batch, and which carry a gradient."""
-        specs = list(self.input_specs) if s == 0 else self._specs[s - 1]
-        return specs, [s > 0 and spec.dtype.is_floating_point for spec in specs]
-
     def _warm_up(self, grad: bool) -> None:
-        """See [Note: stage warm-up]; stage 0 needs the model's input specs."""
+        """See [Note: stage warm-up]; stage 0 needs the model's input specs. Once per
+        micro-batch size and mode; the planned size is warmed by CUDA graph capture instead."""
         if not self.warm_up_stages or (0 in self.stages and self.input_specs is None):
             return
-        for s, stage in sorted(self.stages.items()):
-            key = (s, stage.training, grad)
-            if key not in self._warm:
-                warm_up(stage, *self._stage_inputs(s), self.device, backward=grad)
-                self._warm.add(key)
+        # One order on every rank: compiled tp stages run collectives while warming up.
+        for size in sorted({self.shapes.key(n) for n in self._sizes or [None]}, key=lambda k: k or 0):
+            if grad and self.cuda_graphs and size is None:
+                continue
+            for s, stage in sorted(self.shapes.of(size)[0].items()):
+                key = (s, size, stage.training, grad)
+                if key not in self._warm:
+                    warm_up(stage, *self.shapes.stage_inputs(s, size), self.device, backward=grad)
+                    self._warm.add(key)
 
     def _capture_graphs(self) -> None:
         """Captures every local stage once, in the mode it is in now; see runtime/graphs.py."""
@@ -197,16 +216,23 @@ class PipelineDriver:
                     actions[a.stage].append(("F" if a.kind is F else "B", a.microbatch))
             slots = slots_per_stage(actions)
             for s in sorted(self.stages):
-                self._graphs[s] = StageGraphs(self.stages[s], *self._stage_inputs(s), slots[s], self.device)
+                self._graphs[s] = StageGraphs(self.stages[s], *self.shapes.stage_inputs(s), slots[s], self.device)
         for graphs in self._graphs.values():
             graphs.prepare_grads()
 
-    def _compile(self, schedule: str) -> list[Step]:
+    def _program(self, schedule: str, m: int) -> list[Step]:
+        """The bound steps of ``schedule`` over ``m`` micro-batches, compiled once."""
+        if (schedule, m) not in self._programs:
+            validate(schedule, self.pp, m, self.chunks)
+            self._programs[(schedule, m)] = self._compile(schedule, m)
+        return self._programs[(schedule, m)]
+
+    def _compile(self, schedule: str, m: int) -> list[Step]:
         """Bound steps for the action list in posting order (see [Note: transfer streams] in
         streams.py); the transfers between two computes are posted by one step."""
         steps: list[Step] = []
         batch: list[tuple] = []
-        actions = rank_actions(schedule, self.pp, self.microbatches, self.chunks, self.pp_rank)
+        actions = rank_actions(schedule, self.pp, m, self.chunks, self.pp_rank)
         for a in posting_order(actions):
             s, mb = a.stage, a.microbatch
             if a.kind is F or a.kind is B:
@@ -241,12 +267,17 @@ class PipelineDriver:
         self._saved: dict[tuple[int, int], tuple] = {}  # what backward needs; it frees it
         self._outbox: dict[tuple[int, int], Sequence[torch.Tensor]] = {}
         self._sends: deque = deque()  # (Pending, Handle) of posted sends, oldest first
-        self._losses: list[torch.Tensor] = []
+        self._losses: dict[int, torch.Tensor] = {}  # micro-batch -> its loss, on the last stage
         self._outputs: dict[int, tuple] = {}
         self._mb_inputs: list[tuple] = []
         self._targets: list[Any] = []
+        self._m = self.microbatches  # this step's micro-batch count
+        self._sizes: list[int] | None = None  # this step's micro-batch sizes (None: as planned)
+        self._mb_shapes: list[Shapes] = []  # per micro-batch: its stages and boundary specs
+        self._weights: list[float] | None = None  # per micro-batch loss weights (None: 1 / m)
 
-    def _prepare(self, inputs: Any, targets: Any, *, grad: bool, keep: bool) -> None:
+    def _prepare(self, inputs: Any, targets: Any, *, grad: bool, keep: bool) -> list[Step]:
+        """Splits the batch, finds each micro-batch's stages and shapes; returns the program."""
         m = self.microbatches
         self._grad, self._keep = grad, keep
         if inputs is None and 0 in self.stages:
@@ -256,13 +287,33 @@ class PipelineDriver:
             inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
             if 0 in self.stages:
                 inputs = tuple(x.to(self.device, non_blocking=True) for x in inputs)
+            batch = batch_size(inputs)
+        elif grad and targets is not None and self.shapes.variants is not None:
+            leaves = [t for t in pytree.tree_leaves(targets) if isinstance(t, torch.Tensor) and t.dim()]
+            batch = leaves[0].shape[0] if leaves else None
+        # Ranks that see no batch (no inputs, no targets) run the planned shapes.
+        if self.shapes.variants is not None and batch is not None:
+            self._sizes = self.microbatch_sizes(batch, training=grad)
+            m = len(self._sizes)
+            if len(set(self._sizes)) > 1:
+                self._weights = [n / batch for n in self._sizes]
+        if inputs is not None:
             # Ranks without stage 0 check too, so that a bad batch fails on every rank alike.
-            self._mb_inputs = split_inputs(inputs, m, self.input_specs)
-            batch = inputs[0].shape[0]
+            self._mb_inputs = split_inputs(inputs, m, self.input_specs, sizes=self._sizes)
         if grad and self._last in self.stages:
             targets = pytree.tree_map_only(torch.Tensor, lambda t: t.to(self.device, non_blocking=True), targets)
         if grad:
-            self._targets = split_targets(targets, m, batch)
+            self._targets = split_targets(targets, m, batch, sizes=self._sizes)
+        try:
+            program = self._program(self.schedule if grad else "forward_only", m)
+        except ScheduleError as exc:
+            raise InputError(f"a batch of {batch} samples runs as {m} micro-batches of {self._sizes}, "
+                             f"which the schedule cannot run ({exc}); use a batch of at least "
+                             f"{self.microbatches} samples") from None
+        sizes = self._sizes if self._sizes is not None else [None] * m
+        self._mb_shapes = [self.shapes.of(n) for n in sizes]
+        self._m = m
+        return program
 
     def _run(self, program: list[Step]) -> None:
         for step, a, b in program:
@@ -291,11 +342,12 @@ class PipelineDriver:
             # Received activations become leaves: backward stops here and leaves their .grad.
             args = tuple(x.detach().requires_grad_(True) if x.is_floating_point() else x for x in args)
         mark = self.timeline.begin() if self.timeline is not None else None
-        graphs = self._graphs.get(s) if self._grad else None
+        stages, specs = self._mb_shapes[mb]
+        graphs = self._graphs.get(s) if self._grad and stages is self.stages and self._m == self.microbatches else None
         if graphs is not None and graphs.usable():
             self._slot[(s, mb)], outputs = graphs.forward(*args)
         else:
-            outputs = self.stages[s](*args)
+            outputs = stages[s](*args)
         if isinstance(outputs, torch.Tensor):
             outputs = (outputs,)
         roots: tuple = outputs
@@ -304,12 +356,12 @@ class PipelineDriver:
                 loss = self.loss_fn(self.postprocess(outputs), self._targets[mb])
                 if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                     raise ConfigError(f"loss_fn must return a scalar tensor, got {getattr(loss, 'shape', loss)!r}")
-                self._losses.append(loss.detach())
-                roots = (loss / self.microbatches,)
+                self._losses[mb] = loss.detach()
+                roots = (loss / self._m if self._weights is None else loss * self._weights[mb],)
             if self._keep:
                 self._outputs[mb] = tuple(o.detach() for o in outputs)
         else:
-            check_boundary(outputs, self._specs[s], s, mb)
+            check_boundary(outputs, specs[s], s, mb)
             if (s + 1) % self.pp == self.pp_rank:
                 self._inputs[(s + 1, mb)] = outputs
             else:
@@ -319,7 +371,11 @@ class PipelineDriver:
         if self._grad:
             self._saved[(s, mb)] = (args, roots, bufs, outputs)
         elif bufs is not None:
-            self.pool.release(("act", s), bufs, live=outputs)
+            self.pool.release(("act", s, self._size(mb)), bufs, live=outputs)
+
+    def _size(self, mb: int) -> int | None:
+        """Micro-batch ``mb``'s size as buffer pools key it (None: the planned size)."""
+        return self.shapes.key(self._sizes[mb]) if self._sizes is not None else None
 
     def _backward(self, s: int, mb: int) -> None:
         args, roots, bufs, outputs = self._saved.pop((s, mb))
@@ -346,15 +402,16 @@ class PipelineDriver:
         if s and (s - 1) % self.pp == self.pp_rank:
             self._grads[(s - 1, mb)] = in_grads
         elif s:  # static shapes: an input autograd did not reach gets zeros
-            specs = self._specs[s - 1]
+            specs = self._mb_shapes[mb][1][s - 1]
             self._outbox[(s, mb)] = [g if g is not None else self.pool.zeros(specs[i])
                                      for i, g in zip(self._in_float[s], in_grads)]
         if self.timeline is not None:
             self.timeline.end(mark, "B", s, mb)
         if bufs is not None:  # a stage returning its input hands on (or keeps) the buffer itself
-            self.pool.release(("act", s), bufs, live=outputs)
+            self.pool.release(("act", s, self._size(mb)), bufs, live=outputs)
         if gbufs is not None:  # autograd may keep a received gradient as a leaf output's .grad
-            self.pool.release(("grad", s), gbufs, live=in_grads + [r.grad for r, _ in pairs if r.is_leaf])
+            self.pool.release(("grad", s, self._size(mb)), gbufs,
+                              live=in_grads + [r.grad for r, _ in pairs if r.is_leaf])
 
     def _transfer(self, batch: tuple, _: None) -> None:
         while self._sends and self._sends[0][0].done():
@@ -364,10 +421,10 @@ class PipelineDriver:
             if kind in SENDS:
                 tensors = [t.contiguous() for t in self._outbox.pop((s, mb))]
             elif kind is ActionKind.RECV_ACT:
-                tensors = self.pool.acquire(("act", s), self._specs[s - 1])
+                tensors = self.pool.acquire(("act", s, self._size(mb)), self._mb_shapes[mb][1][s - 1])
             else:
-                specs = self._specs[s]
-                tensors = self.pool.acquire(("grad", s), [specs[i] for i in self._out_float[s]])
+                specs = self._mb_shapes[mb][1][s]
+                tensors = self.pool.acquire(("grad", s, self._size(mb)), [specs[i] for i in self._out_float[s]])
             if kind not in SENDS:
                 receives.append((len(transfers), (kind, s, mb), tensors))
             transfers.append(Transfer(kind in SENDS, tensors, peer, what))
@@ -378,8 +435,10 @@ class PipelineDriver:
         self._sends.extend((self.monitor.start(h.works), h) for h in handles if h.send)
 
     def _broadcast_loss(self) -> torch.Tensor:
-        if self._losses:
-            loss = torch.stack(self._losses).mean().float()
+        if self._losses and self._weights is not None:
+            loss = sum(self._weights[mb] * value.float() for mb, value in sorted(self._losses.items()))
+        elif self._losses:
+            loss = torch.stack([loss for _, loss in sorted(self._losses.items())]).mean().float()
         else:
             loss = torch.empty((), dtype=torch.float32, device=self.device)
         if self.pp > 1:
@@ -390,7 +449,7 @@ class PipelineDriver:
     def _collect(self) -> Any:
         if self._last not in self.stages:
             return None
-        return self.postprocess(merge([self._outputs[mb] for mb in range(self.microbatches)]))
+        return self.postprocess(merge([self._outputs[mb] for mb in range(self._m)]))
 
 
 def _own_links(group: dist.ProcessGroup | None) -> dict[Link, dist.ProcessGroup]:

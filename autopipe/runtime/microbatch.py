@@ -2,6 +2,16 @@
 
 Every check raises :class:`InputError` with the numbers: batch size, m, the planned and given
 shapes. Splits are views; nothing is copied.
+
+[Note: batch splits]
+``split="equal"`` (training's default) cuts a batch into m micro-batches of one size, any size
+(the stage boundaries' shapes follow from it), and refuses a batch that m does not divide.
+``split="uneven"`` cuts it as ``torch.tensor_split`` does: m micro-batches whose sizes differ
+by at most one, the larger first; a batch of fewer than m samples runs as that many
+micro-batches of one sample (fewer micro-batches for that step). Evaluation always splits
+unevenly. A step over micro-batches of unequal sizes weighs each micro-batch's loss by its
+share of the batch (n_i / N instead of 1 / m), which gives the gradient of the batch's mean
+loss when ``loss_fn`` averages over samples, as the losses of torch.nn do by default.
 """
 from __future__ import annotations
 
@@ -12,7 +22,9 @@ from torch.utils import _pytree as pytree
 
 from autopipe.errors import InputError
 
-__all__ = ["nearest_divisible", "split_inputs", "split_targets", "merge"]
+__all__ = ["SPLITS", "nearest_divisible", "batch_size", "microbatch_sizes", "split_inputs", "split_targets", "merge"]
+
+SPLITS = ("equal", "uneven")  # see [Note: batch splits]
 
 # m: number of micro-batches
 
@@ -27,7 +39,8 @@ def _describe(shape: Sequence[int], dtype: torch.dtype) -> str:
     return f"{tuple(shape)} {str(dtype).removeprefix('torch.')}"
 
 
-def _batch_size(inputs: Sequence[Any]) -> int:
+def batch_size(inputs: Sequence[Any]) -> int:
+    """The batch size (dim 0) the inputs agree on; InputError listing every problem otherwise."""
     problems = []
     sizes = []
     for i, x in enumerate(inputs):
@@ -58,41 +71,65 @@ def _check_divisible(batch: int, m: int, what: str) -> int:
     )
 
 
+def microbatch_sizes(batch: int, m: int, split: str = "equal") -> list[int]:
+    """The micro-batch sizes a batch of ``batch`` samples runs as; see [Note: batch splits]."""
+    if split not in SPLITS:
+        raise InputError(f"split={split!r}; use one of {', '.join(map(repr, SPLITS))}")
+    if split == "equal" or batch <= 0:
+        try:
+            return [_check_divisible(batch, m, "input")] * m
+        except InputError as exc:
+            raise InputError(f"{exc}; or let such batches split unevenly: parallelize(..., "
+                             "batch_split='uneven')") from None
+    return [batch // m + (i < batch % m) for i in range(min(m, batch))]
+
+
 def split_inputs(
-    inputs: Sequence[torch.Tensor], m: int, specs: Sequence[Any] | None = None
+    inputs: Sequence[torch.Tensor], m: int, specs: Sequence[Any] | None = None, *,
+    sizes: Sequence[int] | None = None,
 ) -> list[tuple[torch.Tensor, ...]]:
-    """``m`` tuples of views, one per micro-batch; checked against the planned ``specs``.
+    """One tuple of views per micro-batch; checked against the planned ``specs``.
 
     ``specs`` (optional) lists a ``TensorSpec`` per input for one micro-batch, as planned.
+    Without ``sizes`` the batch splits into ``m`` equal micro-batches of the planned shapes;
+    with ``sizes`` (from :func:`microbatch_sizes`) into those, and only the dimensions after
+    the batch dimension (and dtypes) are checked against ``specs``.
     """
     if isinstance(inputs, torch.Tensor):
         inputs = (inputs,)
-    batch = _batch_size(inputs)
-    size = _check_divisible(batch, m, "input")
+    batch = batch_size(inputs)
+    free = sizes is not None  # the batch dimension follows the batch
+    if sizes is None:
+        sizes = [_check_divisible(batch, m, "input")] * m
+    elif sum(sizes) != batch:
+        raise InputError(f"micro-batch sizes {list(sizes)} do not add up to the batch size {batch}")
     if specs is not None:
         if len(specs) != len(inputs):
             raise InputError(f"the plan expects {len(specs)} model inputs, got {len(inputs)}")
         problems = []
         for i, (x, spec) in enumerate(zip(inputs, specs)):
-            given = (size, *x.shape[1:])
-            if given != tuple(spec.shape) or x.dtype != spec.dtype:
+            given = (sizes[0], *x.shape[1:])
+            want = (sizes[0], *spec.shape[1:]) if free and spec.shape else tuple(spec.shape)
+            if given != want or x.dtype != spec.dtype:
                 problems.append(
-                    f"input {i}: expected micro-batch {_describe(spec.shape, spec.dtype)}, "
-                    f"given {_describe(given, x.dtype)} (batch {batch} in {m} micro-batches)"
+                    f"input {i}: expected micro-batch {_describe(want, spec.dtype)}, "
+                    f"given {_describe(given, x.dtype)} (batch {batch} in {len(sizes)} micro-batches)"
                 )
         if problems:
             raise InputError(
                 "inputs do not match the planned shapes (plan with an example micro-batch of "
                 "the shapes you train with):\n" + "\n".join(f"  - {p}" for p in problems)
             )
-    return list(zip(*(x.split(size) for x in inputs)))
+    return list(zip(*(x.split(list(sizes)) for x in inputs)))
 
 
-def split_targets(targets: Any, m: int, batch: int | None = None) -> list[Any]:
-    """``m`` pytrees like ``targets``; tensor leaves split along dim 0, other leaves shared.
+def split_targets(targets: Any, m: int, batch: int | None = None, *, sizes: Sequence[int] | None = None) -> list[Any]:
+    """``m`` pytrees like ``targets`` (one per entry of ``sizes`` when given); tensor leaves
+    split along dim 0 (equally, or into ``sizes``), other leaves shared.
 
     ``batch`` (the inputs' batch size) is checked against every tensor leaf when given.
     """
+    m = len(sizes) if sizes is not None else m
     if targets is None:
         return [None] * m
     leaves, spec = pytree.tree_flatten(targets)
@@ -109,7 +146,10 @@ def split_targets(targets: Any, m: int, batch: int | None = None) -> list[Any]:
                 f"{name} has batch size {leaf.shape[0]} but the inputs have {batch}; "
                 f"give one target row per input row"
             )
-        parts.append(leaf.split(_check_divisible(leaf.shape[0], m, name)))
+        if sizes is not None and leaf.shape[0] == sum(sizes):
+            parts.append(leaf.split(list(sizes)))
+        else:
+            parts.append(leaf.split(_check_divisible(leaf.shape[0], m, name)))
     return [pytree.tree_unflatten([p[k] for p in parts], spec) for k in range(m)]
 
 
