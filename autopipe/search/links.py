@@ -1,0 +1,142 @@
+"""The links between devices, as the layout search prices them, measured or taken from a profile.
+
+[Note: link model]
+Three transfers matter to a layout: a pipeline stage's activations and gradients to its
+neighbour (point to point), the tensor-parallel collectives inside a stage, and the
+data-parallel all-reduce of the gradients once per step. Each is priced as a latency per call
+plus bytes over a bandwidth: point to point by ``p2p_latency`` and ``p2p_bandwidth``, the
+collectives by ``collective_latency`` and ``collective_bandwidth``, the bus bandwidth in
+NCCL's sense (an all-reduce of B bytes over n ranks moves 2 (n - 1) / n x B per rank).
+``measure_links`` times both on the machine (a ping-pong between ranks 0 and 1, and
+all-reduces over the group, at several sizes; latency and bandwidth are the least-squares
+line through the times) and ``autopipe links`` writes the result for ``autopipe plan``. Without
+a measurement the device profile's link figures stand in, marked as such.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from autopipe.errors import ConfigError
+from autopipe.partition.device import DeviceProfile
+
+__all__ = ["LinkModel", "measure_links"]
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """Latencies (s) and bandwidths (B/s) of a machine's links; see [Note: link model]."""
+
+    p2p_latency: float
+    p2p_bandwidth: float
+    collective_latency: float
+    collective_bandwidth: float
+    source: str = "device profile"  # "measured on ..." when measure_links made it
+
+    def __post_init__(self) -> None:
+        bad = [f"{k}={v!r}" for k, v in asdict(self).items() if k != "source" and not (v >= 0 and v < float("inf"))]
+        bad += [f"{k}={getattr(self, k)!r}" for k in ("p2p_bandwidth", "collective_bandwidth") if not getattr(self, k) > 0]
+        if bad:
+            raise ConfigError(f"link model needs positive bandwidths and non-negative latencies, got {', '.join(bad)}")
+
+    @classmethod
+    def from_profile(cls, profile: DeviceProfile) -> LinkModel:
+        return cls(profile.link_latency, profile.link_bandwidth, profile.link_latency, profile.link_bandwidth,
+                   f"device profile {profile.name} (not measured)")
+
+    def p2p(self, nbytes: float) -> float:
+        """Seconds to send ``nbytes`` to a pipeline neighbour; 0 for nothing."""
+        return 0.0 if nbytes <= 0 else self.p2p_latency + nbytes / self.p2p_bandwidth
+
+    def all_reduce(self, nbytes: float, ranks: int) -> float:
+        """Seconds of a ring all-reduce of ``nbytes`` over ``ranks`` ranks."""
+        if ranks <= 1 or nbytes <= 0:
+            return 0.0
+        return self.collective_latency + 2 * (ranks - 1) / ranks * nbytes / self.collective_bandwidth
+
+    def collectives(self, moved_bytes: float, calls: int) -> float:
+        """Seconds of ``calls`` collectives moving ``moved_bytes`` per rank in all."""
+        return calls * self.collective_latency + moved_bytes / self.collective_bandwidth
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        with open(path, "w") as f:
+            json.dump({"schema": 1, **asdict(self)}, f, indent=1)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> LinkModel:
+        try:
+            with open(path) as f:
+                data = json.load(f)
+            return cls(**{k: data[k] for k in ("p2p_latency", "p2p_bandwidth", "collective_latency",
+                                                "collective_bandwidth", "source")})
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"cannot read the link model {os.fspath(path)!r} ({type(exc).__name__}: {exc}); "
+                              "measure it again with `torchrun --nproc-per-node N -m autopipe links --out FILE`") \
+                from exc
+
+
+def _fit(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
+    """(latency, bandwidth) of the least-squares line seconds = latency + bytes / bandwidth."""
+    a = np.vstack([np.ones(len(sizes)), np.asarray(sizes, dtype=float)]).T
+    (latency, per_byte), *_ = np.linalg.lstsq(a, np.asarray(seconds, dtype=float), rcond=None)
+    return max(float(latency), 0.0), 1.0 / max(float(per_byte), 1e-15)
+
+
+def _timed(fn: Any, device: torch.device, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        begin = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - begin)
+    return statistics.median(times)
+
+
+def measure_links(device: torch.device | str, *, group: Any = None,
+                  sizes: Sequence[int] = (1 << 12, 1 << 18, 1 << 22, 1 << 24), reps: int = 10) -> LinkModel:
+    """Time point-to-point transfers between ranks 0 and 1 and all-reduces over ``group``, at
+    ``sizes`` bytes; every rank of the group calls it and gets the same model."""
+    if not dist.is_initialized() or dist.get_world_size(group) < 2:
+        raise ConfigError("measuring links needs two processes or more: launch with "
+                          "`torchrun --nproc-per-node 2 -m autopipe links --out FILE`")
+    device = torch.device(device)
+    rank = dist.get_rank(group)
+    world = dist.get_world_size(group)
+    peer_of = {0: 1, 1: 0}
+    p2p, ar = [], []
+    for size in sizes:
+        x = torch.zeros(size // 4, dtype=torch.float32, device=device)
+
+        def ping_pong() -> None:
+            if rank in peer_of:
+                peer = dist.get_global_rank(group, peer_of[rank]) if group is not None else peer_of[rank]
+                if rank == 0:
+                    dist.send(x, peer, group=group)
+                    dist.recv(x, peer, group=group)
+                else:
+                    dist.recv(x, peer, group=group)
+                    dist.send(x, peer, group=group)
+
+        p2p.append(_timed(ping_pong, device, reps) / 2)
+        ar.append(_timed(lambda: dist.all_reduce(x, group=group), device, reps))
+    times = torch.tensor([p2p, ar], dtype=torch.float64)
+    dist.broadcast(times, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    p2p, ar = times[0].tolist(), times[1].tolist()
+    p2p_latency, p2p_bandwidth = _fit(sizes, p2p)
+    moved = [2 * (world - 1) / world * s for s in sizes]
+    coll_latency, coll_bandwidth = _fit(moved, ar)
+    backend = dist.get_backend(group)
+    return LinkModel(p2p_latency, p2p_bandwidth, coll_latency, coll_bandwidth,
+                     f"measured on {world} ranks ({backend}, {device.type})")

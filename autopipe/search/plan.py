@@ -1,0 +1,53 @@
+"""``plan_layout``: the layout search from a model (or a model spec), as the CLI and
+``parallelize(pp="auto")`` ask for it."""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+import torch.nn as nn
+
+from autopipe.errors import ConfigError
+from autopipe.partition.device import DeviceProfile, get_profile
+from autopipe.partition.measured import MeasuredCosts
+
+from .links import LinkModel
+from .predict import Pricing
+from .search import SearchResult, search_layouts
+
+__all__ = ["plan_layout", "DEFAULT_MODES"]
+
+# Execution modes weighed by default: on GPUs every one; on CPU stages run eagerly.
+DEFAULT_MODES = {"cuda": ("eager", "graphs", "compiled", "compiled+graphs"), "cpu": ("eager",)}
+
+
+def plan_layout(model: nn.Module | str, *, devices: int, batch: int, device: str | DeviceProfile = "h100",
+                memory: float | None = None, links: LinkModel | None = None,
+                measured: Mapping[int, MeasuredCosts] | MeasuredCosts | None = None,
+                example_inputs: Sequence[torch.Tensor] | None = None, image_size: int | None = None,
+                mixed_precision: str | None = "bf16", modes: tuple[str, ...] | None = None,
+                action_overhead: float | None = None, **options) -> SearchResult:
+    """Rank the layouts of ``model`` on ``devices`` devices of kind ``device`` for a global
+    ``batch``. The model is traced once, at the micro-batch of ``example_inputs`` or at
+    ``min(8, batch)`` images; ``measured`` (profiles by micro-batch size, or one profile) prices
+    the nodes where given. ``memory`` is the budget per device in bytes. ``options`` go to
+    :func:`search_layouts`."""
+    from autopipe.planning import planning_graph
+
+    profile = get_profile(device)
+    if isinstance(measured, MeasuredCosts):
+        measured = {measured.input_shapes[0][0]: measured}
+    reference = None if example_inputs is not None else \
+        min(measured) if measured else min(8, batch)
+    traced, _ = planning_graph(model, example_inputs=example_inputs, batch=reference, image_size=image_size)
+    if mixed_precision not in (None, "fp32", "bf16", "fp16"):
+        raise ConfigError(f"mixed_precision={mixed_precision!r}; use None, 'bf16' or 'fp16'")
+    low = mixed_precision in ("bf16", "fp16")
+    floating = next((d for d in traced.input_dtypes if d.is_floating_point), torch.float32)
+    pricing = Pricing(profile, links or LinkModel.from_profile(profile), batch,
+                      activation_bytes=2 / floating.itemsize if low else 1.0, weight_cast_bytes=2.0 if low else 0.0,
+                      action_overhead=(10e-6 if profile.name != "cpu" else 200e-6) if action_overhead is None
+                      else action_overhead)
+    kind = "cpu" if profile.name == "cpu" else "cuda"
+    return search_layouts(traced, devices=devices, batch=batch, pricing=pricing, modes=modes or DEFAULT_MODES[kind],
+                          memory=memory, measured=measured, **options)

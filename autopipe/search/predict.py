@@ -1,0 +1,184 @@
+"""A layout's step time and memory per device, predicted from stage times, the schedule and links.
+
+[Note: step prediction]
+For one layout (search/layouts.py) on one graph (search/costs.py):
+1. nodes are priced at the layout's micro-batch size in its execution mode; activation
+   checkpointing adds each node's forward to its backward (the recomputation); the
+   tensor-parallel collectives of a node add their time on the link model (half each way);
+2. the graph is cut into pp x chunks stages by the partitioner's own balancer (cut bytes in
+   the activation dtype, the stage's fixed time counted), so the search sees the plan
+   ``parallelize`` would make from the same costs;
+3. the schedule's action lists are replayed with the stages' forward and backward times and
+   the transfers between them (search/replay.py): the pipeline's makespan and bubble;
+4. the step adds the data-parallel all-reduce of the gradients (after the last backward, as
+   the runtime does it), the optimizer's pass over its state (memory-bound) and, with mixed
+   precision, the weights' cast;
+5. memory per device: parameters, gradients and optimizer state of its stages (plus bf16
+   weight copies under mixed precision) and the saved activations of the micro-batches it
+   holds at once (the schedule's in-flight bound; with checkpointing only each stage's input,
+   plus one micro-batch recomputed at a time), with 10% for the allocator's fragmentation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from autopipe.partition import balance as balancer
+from autopipe.partition.device import DeviceProfile
+from autopipe.runtime.schedule import max_in_flight_bound
+
+from .costs import GraphCosts
+from .layouts import Layout
+from .links import LinkModel
+from .replay import replay
+
+__all__ = ["Prediction", "predict", "Pricing"]
+
+FRAGMENTATION = 1.10
+ADAMW_BYTES_PER_PARAM = 32.0  # read param, grad, 2 moments; write param, 2 moments (fp32), + grad zeroing
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """What prices every layout of a search alike."""
+
+    profile: DeviceProfile  # the device's compute and memory rates (any mode; set per layout)
+    links: LinkModel
+    batch: int  # global batch
+    activation_bytes: float = 1.0  # bytes of a crossing floating value over its traced bytes (0.5: bf16 of fp32)
+    weight_cast_bytes: float = 0.0  # bytes per parameter of the low-precision weight copies (2 under bf16)
+    action_overhead: float = 0.0  # host seconds per compute the driver adds
+
+
+@dataclass
+class Prediction:
+    """A priced layout; see [Note: step prediction]."""
+
+    layout: Layout
+    step_seconds: float
+    samples_per_second: float
+    memory_bytes: float  # the fullest device's
+    bubble: float
+    parts: dict[str, float] = field(default_factory=dict)  # pipeline, dp all-reduce, optimizer ...
+    stage_seconds: list[float] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    spans: list[tuple[int, str, float, float]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layout": self.layout.to_dict(), "name": str(self.layout), "step_seconds": self.step_seconds,
+                "samples_per_second": self.samples_per_second, "memory_bytes": self.memory_bytes,
+                "bubble": self.bubble, "parts": self.parts, "stage_seconds": self.stage_seconds,
+                "starts": self.starts}
+
+
+class _Cuts:
+    """Memoised cuts: one balancer run per graph, stage count, micro-batch size and pricing."""
+
+    def __init__(self) -> None:
+        self.cache: dict[tuple, list[int]] = {}
+
+    def starts(self, key: tuple, solve: Any) -> list[int]:
+        if key not in self.cache:
+            self.cache[key] = solve()
+        return self.cache[key]
+
+
+CUTS = _Cuts()
+
+
+def _node_seconds(graph: GraphCosts, layout: Layout, size: int, pricing: Pricing) -> tuple[np.ndarray, np.ndarray]:
+    profile = pricing.profile.with_mode(layout.mode if layout.mode != "compiled+graphs" else "graphs")
+    fwd, bwd = graph.node_times(size, profile)
+    if layout.recompute:
+        bwd = bwd + fwd
+    if layout.tp > 1:
+        moved = graph.collective_bytes(size)
+        comm = np.where(moved > 0, pricing.links.collective_latency + moved / pricing.links.collective_bandwidth, 0.0)
+        fwd, bwd = fwd + comm / 2, bwd + comm / 2
+    return fwd, bwd
+
+
+def stage_overhead(pricing: Pricing, layout: Layout, graph: GraphCosts, size: int) -> float:
+    measured = graph._measured_for(size)
+    if measured is not None:
+        return measured.stage_overhead
+    cal = pricing.profile.calibration
+    return cal.stage.get(layout.mode.replace("compiled+", "").replace("compiled", "graphs"), 0.0) if cal else 0.0
+
+
+def predict(graph: GraphCosts, layout: Layout, pricing: Pricing, *, timeline: bool = False) -> Prediction:
+    """Price ``layout`` on ``graph`` (its tp-sharded graph); see [Note: step prediction]."""
+    size = layout.microbatch_size(pricing.batch)
+    fwd, bwd = _node_seconds(graph, layout, size, pricing)
+    ratio = size / graph.reference_size
+    cut_bytes = graph.cut_bytes_ref * ratio * pricing.activation_bytes
+    stages = layout.pp * layout.chunks
+    overhead = stage_overhead(pricing, layout, graph, size)
+    compute = fwd + bwd
+    link = pricing.links
+
+    def solve() -> list[int]:
+        if stages == 1:
+            return [0]
+        cut_time = cut_bytes / link.p2p_bandwidth
+        cut_latency = np.where(cut_bytes > 0, 2 * link.p2p_latency, 0.0)
+        return balancer.solve_overlapped(compute, stages, cut_time=cut_time, cut_latency=cut_latency,
+                                         allowed_cuts=graph.allowed, stage_overhead=overhead)
+
+    key = (id(graph), stages, size, layout.mode, layout.recompute, layout.tp, link)
+    starts = CUTS.starts(key, solve)
+    ends = starts[1:] + [len(compute)]
+    f_prefix, b_prefix = np.concatenate(([0.0], np.cumsum(fwd))), np.concatenate(([0.0], np.cumsum(bwd)))
+    stage_f = [float(f_prefix[j] - f_prefix[i]) + overhead / 2 for i, j in zip(starts, ends)]
+    stage_b = [float(b_prefix[j] - b_prefix[i]) + overhead / 2 for i, j in zip(starts, ends)]
+    sends = [link.p2p(float(cut_bytes[j - 1])) if j < len(compute) else 0.0 for j in ends]
+    grads = [link.p2p(float(cut_bytes[i - 1])) if i > 0 else 0.0 for i in starts]
+    run = replay(layout.schedule, layout.pp, layout.microbatches, layout.chunks, stage_f, stage_b,
+                 send_act=sends, send_grad=grads, action_overhead=pricing.action_overhead, keep_spans=timeline)
+
+    # Per pipeline rank: its stages' parameters (already 1/tp where sharded).
+    params = [0.0] * layout.pp
+    state = [0.0] * layout.pp
+    p_prefix = np.concatenate(([0.0], np.cumsum(graph.param_bytes)))
+    n_prefix = np.concatenate(([0.0], np.cumsum(graph.param_count)))
+    s_prefix = np.concatenate(([0.0], np.cumsum(graph.state_bytes)))
+    for s, (i, j) in enumerate(zip(starts, ends)):
+        params[s % layout.pp] += float(n_prefix[j] - n_prefix[i])
+        state[s % layout.pp] += float(s_prefix[j] - s_prefix[i])
+    grad_bytes = max(float(p_prefix[j] - p_prefix[i]) for i, j in zip(starts, ends)) if layout.chunks == 1 else \
+        max(sum(float(p_prefix[e] - p_prefix[b]) for k, (b, e) in enumerate(zip(starts, ends)) if k % layout.pp == r)
+            for r in range(layout.pp))
+    all_reduce = link.all_reduce(grad_bytes, layout.dp)
+    most = max(params)
+    bandwidth = pricing.profile.mem_bandwidth
+    optimizer = most * ADAMW_BYTES_PER_PARAM / bandwidth
+    casts = most * (4 + pricing.weight_cast_bytes) / bandwidth if pricing.weight_cast_bytes else 0.0
+    step = run.makespan + all_reduce + optimizer + casts
+    memory = _memory(graph, layout, starts, ends, state, params, size, pricing)
+    return Prediction(layout, step, pricing.batch / step, memory, run.bubble,
+                      {"pipeline": run.makespan, "dp_all_reduce": all_reduce, "optimizer": optimizer,
+                       "weight_casts": casts},
+                      [f + b for f, b in zip(stage_f, stage_b)], list(starts), run.spans)
+
+
+def _memory(graph: GraphCosts, layout: Layout, starts: list[int], ends: list[int], state: list[float],
+            params: list[float], size: int, pricing: Pricing) -> float:
+    ratio = size / graph.reference_size
+    saved = graph.saved_ref * ratio
+    s_prefix = np.concatenate(([0.0], np.cumsum(saved)))
+    worst = 0.0
+    for r in range(layout.pp):
+        held = max_in_flight_bound(layout.schedule, layout.pp, layout.microbatches, layout.chunks, r)
+        mine = [(i, j) for k, (i, j) in enumerate(zip(starts, ends)) if k % layout.pp == r]
+        per_mb = sum(float(s_prefix[j] - s_prefix[i]) for i, j in mine) / max(len(mine), 1)
+        if layout.recompute:
+            inputs = sum(float(graph.cut_bytes_ref[i - 1]) * ratio * pricing.activation_bytes
+                         for i, _ in mine if i > 0) / max(len(mine), 1)
+            activations = held * inputs + max(float(s_prefix[j] - s_prefix[i]) for i, j in mine)
+        else:
+            activations = held * per_mb
+        total = (state[r] + params[r] * pricing.weight_cast_bytes + activations) * FRAGMENTATION
+        worst = max(worst, total)
+    return worst
