@@ -139,7 +139,7 @@ def test_checkpoint_resume_equals_uninterrupted_run_and_survives_failed_saves(tm
 def _single(seed=0, model=None):
     torch.manual_seed(seed)
     model = MODELS["timm_vit"]().eval() if model is None else model
-    return autopipe.parallelize(model, _example(), microbatches=2, loss_fn=_loss).eval()
+    return autopipe.parallelize(model, _example(), microbatches=2, loss_fn=_loss, device="cpu").eval()
 
 
 def test_checkpoint_errors_are_typed_and_a_crash_before_commit_keeps_the_last_one(tmp_path, monkeypatch):
@@ -197,7 +197,7 @@ def test_checkpoint_errors_are_typed_and_a_crash_before_commit_keeps_the_last_on
 def test_checkpoint_restores_the_fp16_loss_scale_and_extra(tmp_path):
     torch.manual_seed(0)
     pm = autopipe.parallelize(MODELS["timm_vit"]().eval(), _example(), microbatches=2, loss_fn=_loss,
-                              mixed_precision="fp16")
+                              mixed_precision="fp16", device="cpu")
     opt = torch.optim.SGD(pm.parameters(), lr=0.1)
     x, y = _data(0, 4)
     for i in range(2):
@@ -209,7 +209,7 @@ def test_checkpoint_restores_the_fp16_loss_scale_and_extra(tmp_path):
     state = {"step": 2, "rng": torch.get_rng_state(), "lr": [0.1, 0.01]}
     pm.save_checkpoint(tmp_path, opt, extra=state)
     fresh = autopipe.parallelize(MODELS["timm_vit"]().eval(), _example(), microbatches=2, loss_fn=_loss,
-                                 mixed_precision="fp16")
+                                 mixed_precision="fp16", device="cpu")
     fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.5)
     extra = fresh.load_checkpoint(tmp_path, fresh_opt)
     assert extra["step"] == 2 and extra["lr"] == [0.1, 0.01] and torch.equal(extra["rng"], state["rng"])
@@ -402,7 +402,8 @@ def test_activation_checkpointing_updates_batchnorm_statistics_once_per_micro_ba
         torch.manual_seed(0)
         model = MODELS["tv_resnet"]()
         pm = autopipe.parallelize(model, (torch.randn(2, 3, 32, 32),), microbatches=4, chunks=2,
-                                  schedule="gpipe", loss_fn=F.cross_entropy, activation_checkpointing=recompute)
+                                  schedule="gpipe", loss_fn=F.cross_entropy, activation_checkpointing=recompute,
+                                  device="cpu")
         pm.train()
         g = torch.Generator().manual_seed(1)
         pm.train_step(torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g))
