@@ -59,7 +59,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from .checkpoint_files import ChecksummedWriter, VerifyingReader, checksum, verify
 from .errors import CheckpointError
 from .partition.mlp_pieces import PieceParam, piece_params
-from .runtime.failure import DEFAULT_DEADLINE, active
+from .runtime.failure import DEFAULT_DEADLINE, active, brief
 from .shard.state import merge_shards, shard_tensor
 
 if TYPE_CHECKING:
@@ -104,11 +104,13 @@ def _exchange(fn: Callable[[], Any], what: str) -> Any:
     except Exception as exc:  # noqa: BLE001 - a peer's connection closed, or the group timed out
         monitor = active()
         cause = monitor.cause(exc) if monitor is not None else exc
-        detail = str(cause) if cause is not exc else f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
-        error = CheckpointError(
-            f"lost contact with the other ranks while {what} ({detail}); a rank may have died (see its log) "
-            f"or stopped calling the checkpoint (the deadline is "
-            f"{monitor.deadline if monitor is not None else DEFAULT_DEADLINE:g} s)")
+        if cause is not exc:  # another rank's recorded failure says why
+            error = CheckpointError(f"lost contact with the other ranks while {what}: {cause}")
+        else:
+            deadline = monitor.deadline if monitor is not None else DEFAULT_DEADLINE
+            error = CheckpointError(
+                f"lost contact with the other ranks while {what} ({type(exc).__name__}: {brief(exc)}); a rank "
+                f"may have died (see its log) or stopped calling the checkpoint (the deadline is {deadline:g} s)")
         if monitor is not None:
             monitor.record(error)  # the job cannot go on: its later steps refuse at once
         raise error from exc

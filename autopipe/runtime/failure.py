@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import queue
+import re
 import threading
 import time
 from collections import Counter
@@ -21,7 +22,7 @@ from autopipe.errors import AutopipeError, PipelineFailure
 from autopipe.runtime import exit_hook
 
 __all__ = [
-    "FailureMonitor", "Pending", "failure_key", "active", "host_waits", "wait_works", "synced",
+    "FailureMonitor", "Pending", "failure_key", "active", "brief", "host_waits", "wait_works", "synced",
     "DEFAULT_DEADLINE",
 ]  # fmt: skip
 
@@ -101,6 +102,13 @@ def failure_key(group: dist.ProcessGroup | None) -> str:
     name = "-".join(map(str, ranks))
     _instances[name] += 1
     return f"autopipe/failure/{name}/{_instances[name]}"
+
+
+def brief(exc: BaseException) -> str:
+    """``exc``'s first line, without the source location and advice gloo wraps it in."""
+    text = (str(exc).splitlines() or [""])[0]
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\] ", "", text)
+    return text.split(". This is typically caused", 1)[0][:300]
 
 
 def active() -> FailureMonitor | None:
@@ -192,9 +200,8 @@ class FailureMonitor:
                 return None
             raw = self.store.get(self.key).decode("utf-8", "replace")
         except Exception as exc:  # noqa: BLE001 - the store's host process may have died
-            detail = (str(exc).splitlines() or [""])[0][:300]
             self.failed = self._failure(self.rank, self.name,
-                                        f"the store is unreachable ({detail}); a rank may have died")
+                                        f"the store is unreachable ({brief(exc)}); a rank may have died")
         else:
             rank, name, message = raw.split("|", 2)
             self.failed = self._failure(int(rank), name, message)
@@ -282,7 +289,7 @@ class FailureMonitor:
             try:
                 work.wait()
             except Exception as exc:
-                raise self._lost(f"{what} failed: {exc}") from exc
+                raise self._lost(f"{what} failed: {brief(exc)}") from exc
 
     def wait_collective(self, works: Sequence[dist.Work], what: str, *, host: bool) -> None:
         """Waits for collective ``works``: on the host in ``interval`` slices where the backend
@@ -304,7 +311,7 @@ class FailureMonitor:
                         try:
                             work.wait()  # raises the work's own error, if it failed
                         except Exception as exc:  # noqa: BLE001 - a peer's connection closed
-                            raise self._lost(f"{what} failed: {exc}") from exc
+                            raise self._lost(f"{what} failed: {brief(exc)}") from exc
                         break
                 self.check()
                 if time.perf_counter() - start > self.deadline:
@@ -370,7 +377,7 @@ class FailureMonitor:
             if time.perf_counter() - start > self.deadline:
                 raise self._timeout(what)
         if ticket.error is not None:
-            raise self._lost(f"{what} failed: {ticket.error}") from ticket.error
+            raise self._lost(f"{what} failed: {brief(ticket.error)}") from ticket.error
 
     def _poll(self, done: Callable[[], bool], what: str) -> None:
         start = time.perf_counter()
