@@ -59,7 +59,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from .checkpoint_files import ChecksummedWriter, VerifyingReader, checksum, verify
 from .errors import CheckpointError
 from .partition.mlp_pieces import PieceParam, piece_params
-from .runtime.failure import DEFAULT_DEADLINE, active, brief
+from .runtime.failure import DEFAULT_DEADLINE, active, brief, wait_works
 from .shard.state import merge_shards, shard_tensor
 
 if TYPE_CHECKING:
@@ -187,7 +187,9 @@ def _tp_full(pm: ParallelModel, name: str, t: torch.Tensor, local_shape: tuple[i
     if ps is None or not ps.sharded or plan.tp == 1 or tuple(t.shape) != local_shape:
         return t.detach().cpu()
     parts = [torch.empty_like(t) for _ in range(plan.tp)]
-    dist.all_gather(parts, t.detach().contiguous(), group=pm._mesh.tp_group)
+    group = pm._mesh.tp_group
+    wait_works([dist.all_gather(parts, t.detach().contiguous(), group=group, async_op=True)],
+               f"all-gather of the optimizer state of '{name}' over the tp ranks", group, t.device)
     return merge_shards(parts, ps, plan.custom_splits.get(name)).cpu()
 
 

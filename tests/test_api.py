@@ -8,12 +8,15 @@ where rounding is far below the tolerance and only a real error can move the num
 """
 from __future__ import annotations
 
+import re
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import autopipe
-from autopipe.errors import ConfigError, InputError
+from autopipe.errors import ConfigError, InputError, PartitionError
 from tests.distributed import cuda_present, run_distributed
 from tests.models import ADAMW_MODELS, MODELS, logits
 
@@ -156,6 +159,24 @@ def test_bad_input_is_typed_before_any_collective():
         autopipe.parallelize(model, (torch.randn(2, 3, 32, 32),), pp=2, loss_fn=_loss)
     with pytest.raises(ConfigError, match="loss_fn"):
         autopipe.parallelize(model, (torch.randn(2, 3, 32, 32),), loss_fn=None)
+
+
+def _lone_relu(rank, world):
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU())
+    start = time.perf_counter()
+    with pytest.raises(PartitionError) as info:
+        autopipe.parallelize(model, (torch.randn(2, 16),), pp=4, microbatches=4, loss_fn=F.mse_loss, device="cpu")
+    return str(info.value), time.perf_counter() - start
+
+
+def test_a_pipeline_rank_without_parameters_is_refused_on_every_rank():
+    # pp=4 leaves a lone ReLU on one rank: its optimizer would get no parameters and fail alone.
+    results = run_distributed(_lone_relu, 4, timeout=120)
+    assert len({message for message, _ in results}) == 1  # the same error on every rank, before any collective
+    assert re.match(r"pipeline rank \d would hold no parameters \(stage \d: module '\d'\), and an optimizer over no "
+                    r"parameters fails on that rank .* Use fewer stages \(pp=4 x chunks=1; 3 of these stages hold "
+                    r"parameters\)", results[0][0]), results[0][0]
+    assert all(took < 30 for _, took in results)
 
 
 def _pipeline_on_cuda_over_gloo(rank, world):
