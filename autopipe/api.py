@@ -117,6 +117,11 @@ def parallelize(
     and checkpoints keep the model's own names. ``compile_stages=True`` compiles each stage's
     graph with ``torch.compile`` (inductor fuses the norms, activations and casts between the
     GEMMs; the first step pays the compilation; see [Note: compiled stages]).
+    ``device`` defaults to this rank's GPU where CUDA is available and the process group is not
+    gloo alone, else the CPU. Every rank must pass the same arguments (checked: see [Note:
+    argument agreement]); ``deadline`` (seconds) bounds every wait for another rank, so that a
+    rank that fails, dies or does not come makes the others raise instead of hanging (see
+    [Note: failure propagation]).
     """
     # 1. The same arguments on every rank, then local checks: every rank raises the same error
     #    before any collective.
