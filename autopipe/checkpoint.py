@@ -40,15 +40,13 @@ checked against checksums at load; see [Note: checkpoint checksums] in checkpoin
 from __future__ import annotations
 
 import contextlib
-import datetime
 import io
 import os
 import re
 import shutil
 import uuid
 import warnings
-import weakref
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -57,9 +55,10 @@ from torch.distributed.checkpoint.api import CheckpointException as DCPException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .checkpoint_files import ChecksummedWriter, VerifyingReader, checksum, verify
+from .checkpoint_ranks import agree, checkpoint_group, from_rank0, world_of
 from .errors import CheckpointError
 from .partition.mlp_pieces import PieceParam, piece_params
-from .runtime.failure import DEFAULT_DEADLINE, active, brief, wait_works
+from .runtime.failure import wait_works
 from .shard.state import merge_shards, shard_tensor
 
 if TYPE_CHECKING:
@@ -73,81 +72,6 @@ POINTER_TMP = ".latest.tmp-"
 PREFIX = "ckpt-"
 MANIFEST = "manifest.pt"
 EXTRA = "extra.pt"
-
-
-# ----------------------------------------------------------------------------- collectives
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-_GROUPS: weakref.WeakKeyDictionary[Any, dist.ProcessGroup] = weakref.WeakKeyDictionary()
-
-
-def _group(pm: ParallelModel) -> dist.ProcessGroup | None:
-    """The gloo group this model's checkpoints coordinate over (see [Note: no rank left
-    waiting]); collective at the first save or load, which every rank calls."""
-    if _world()[1] == 1:
-        return None
-    if pm not in _GROUPS:
-        monitor = active()
-        deadline = monitor.deadline if monitor is not None else DEFAULT_DEADLINE
-        _GROUPS[pm] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=deadline))
-    return _GROUPS[pm]
-
-
-def _exchange(fn: Callable[[], Any], what: str) -> Any:
-    """``fn()``, a collective; a rank that dies or stops answering makes it a CheckpointError."""
-    try:
-        return fn()
-    except Exception as exc:  # noqa: BLE001 - a peer's connection closed, or the group timed out
-        monitor = active()
-        cause = monitor.cause(exc) if monitor is not None else exc
-        if cause is not exc:  # another rank's recorded failure says why
-            error = CheckpointError(f"lost contact with the other ranks while {what}: {cause}")
-        else:
-            deadline = monitor.deadline if monitor is not None else DEFAULT_DEADLINE
-            error = CheckpointError(
-                f"lost contact with the other ranks while {what} ({type(exc).__name__}: {brief(exc)}); a rank "
-                f"may have died (see its log) or stopped calling the checkpoint (the deadline is {deadline:g} s)")
-        if monitor is not None:
-            monitor.record(error)  # the job cannot go on: its later steps refuse at once
-        raise error from exc
-
-
-def _agree(group: dist.ProcessGroup | None, error: str | None, payload: Any = None) -> list[Any]:
-    """Every rank's ``payload``; raises one CheckpointError on every rank if any rank had an error."""
-    rank, world = _world()
-    entries: list[Any] = [(error, payload)]
-    if world > 1:
-        entries = [None] * world
-        _exchange(lambda: dist.all_gather_object(entries, (error, payload), group=group),
-                  "agreeing on each rank's outcome")
-    failed = [(r, e) for r, (e, _) in enumerate(entries) if e is not None]
-    if failed:
-        r, e = failed[0]
-        raise CheckpointError(e if world == 1 else f"rank {r}: {e}")
-    return [p for _, p in entries]
-
-
-def _from_rank0(group: dist.ProcessGroup | None, fn: Callable[[], Any]) -> Any:
-    """``fn()`` run on rank 0 and handed to every rank; its failure is raised on every rank."""
-    rank, world = _world()
-    box: list[Any] = [None]
-    if rank == 0:
-        try:
-            box = [(None, fn())]
-        except CheckpointError as exc:
-            box = [(str(exc), None)]
-        except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
-            box = [(f"{type(exc).__name__}: {exc}", None)]
-    if world > 1:
-        _exchange(lambda: dist.broadcast_object_list(box, src=0, group=group), "waiting for rank 0")
-    error, value = box[0]
-    if error is not None:
-        raise CheckpointError(error)
-    return value
 
 
 @contextlib.contextmanager
@@ -318,8 +242,8 @@ def save_checkpoint(pm: ParallelModel, path: str | os.PathLike, optimizer: torch
                     *, extra: Any = None) -> str:
     """Collective. See [Note: checkpoint layout]; returns the directory that ``latest`` names."""
     path = os.fspath(path)
-    rank, world = _world()
-    group = _group(pm)
+    rank, world = world_of()
+    group = checkpoint_group(pm)
     # 1. Local checks, and rank 0 names the new directory.
     error, names, extra_bytes = None, None, None
     try:
@@ -331,7 +255,7 @@ def save_checkpoint(pm: ParallelModel, path: str | os.PathLike, optimizer: torch
             extra_bytes = _serialise_extra(extra)
     except Exception as exc:  # noqa: BLE001 - agreed on below
         error = _describe(exc)
-    proposals = _agree(group, error, (f"{PREFIX}{uuid.uuid4().hex[:12]}", path))
+    proposals = agree(group, error, (f"{PREFIX}{uuid.uuid4().hex[:12]}", path))
     paths = sorted({p for _, p in proposals})
     if len(paths) > 1:
         raise CheckpointError(f"the ranks passed different checkpoint paths ({', '.join(map(repr, paths[:4]))}); "
@@ -364,7 +288,7 @@ def save_checkpoint(pm: ParallelModel, path: str | os.PathLike, optimizer: torch
     except Exception as exc:  # noqa: BLE001 - agreed on below
         error = _describe(exc)
     try:
-        infos = _agree(group, error, info)
+        infos = agree(group, error, info)
     except CheckpointError as exc:
         raise fail("preparing the state", exc) from None
 
@@ -380,7 +304,7 @@ def save_checkpoint(pm: ParallelModel, path: str | os.PathLike, optimizer: torch
     except (Exception, DCPException) as exc:  # noqa: BLE001 - agreed on below
         error = _describe(exc)
     try:
-        checksums = {k: v for part in _agree(group, error, sums) for k, v in part.items()}
+        checksums = {k: v for part in agree(group, error, sums) for k, v in part.items()}
     except CheckpointError as exc:
         raise fail("writing the shards", exc) from None
 
@@ -416,7 +340,7 @@ def save_checkpoint(pm: ParallelModel, path: str | os.PathLike, optimizer: torch
                     os.remove(os.path.join(path, entry))
 
     try:
-        _from_rank0(group, commit)  # raises before os.replace or not at all
+        from_rank0(group, commit)  # raises before os.replace or not at all
     except CheckpointError as exc:
         raise fail("committing", exc) from None
     return target
@@ -540,15 +464,15 @@ def _apply_optimizer(pm: ParallelModel, optimizer: torch.optim.Optimizer, states
 def load_checkpoint(pm: ParallelModel, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> Any:
     """Collective. Loads the checkpoint ``path/latest`` names; returns the ``extra`` it was saved with."""
     path = os.fspath(path)
-    group = _group(pm)
-    found = _from_rank0(group, lambda: _read(path))
-    world = _world()[1]
+    group = checkpoint_group(pm)
+    found = from_rank0(group, lambda: _read(path))
+    world = world_of()[1]
     error, state = None, {}
     try:
         state = _targets(pm, optimizer, found)
     except Exception as exc:  # noqa: BLE001 - agreed on below
         error = _describe(exc)
-    _agree(group, error)
+    agree(group, error)
 
     error = None
     try:
@@ -557,7 +481,7 @@ def load_checkpoint(pm: ParallelModel, path: str | os.PathLike, optimizer: torch
             dcp.load(state, storage_reader=reader, process_group=group, no_dist=world == 1)
     except (Exception, DCPException) as exc:  # noqa: BLE001 - agreed on below
         error = f"reading {found['dir']!r} failed: {_describe(exc)}"
-    _agree(group, error)
+    agree(group, error)
 
     error = None
     try:
@@ -572,5 +496,5 @@ def load_checkpoint(pm: ParallelModel, path: str | os.PathLike, optimizer: torch
             pm._runtime.loss_scale = pm._scaler.scale
     except Exception as exc:  # noqa: BLE001 - agreed on below
         error = f"applying {found['dir']!r} failed: {_describe(exc)}"
-    _agree(group, error)
+    agree(group, error)
     return found["extra"]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import queue
 import re
-import threading
 import time
 from collections import Counter
 from typing import Callable, Iterator, Sequence
@@ -20,6 +18,7 @@ from torch.distributed.distributed_c10d import _get_default_store
 
 from autopipe.errors import AutopipeError, PipelineFailure
 from autopipe.runtime import exit_hook
+from autopipe.runtime.waiter import Pending, Ticket, Waiter
 
 __all__ = [
     "FailureMonitor", "Pending", "failure_key", "active", "brief", "host_waits", "wait_works", "synced",
@@ -173,8 +172,8 @@ class FailureMonitor:
         self.failed: PipelineFailure | None = None
         self._calls = 0  # collective API calls, see arrive()
         # Gloo's p2p works complete only inside wait(): see [Note: failure propagation].
-        self._recvs = _Waiter("autopipe-recv-wait") if threaded else None
-        self._sends = _Waiter("autopipe-send-wait") if threaded else None
+        self._recvs = Waiter("autopipe-recv-wait") if threaded else None
+        self._sends = Waiter("autopipe-send-wait") if threaded else None
 
     @classmethod
     def for_world(cls, name: str, *, deadline: float, threaded: bool) -> FailureMonitor:
@@ -370,7 +369,7 @@ class FailureMonitor:
                 f"within {self.deadline:g} s{instead}; "
                 f"call it on every rank (or raise deadline= if a rank is this slow to get there)")
 
-    def _await(self, ticket: _Ticket, what: str) -> None:
+    def _await(self, ticket: Ticket, what: str) -> None:
         start = time.perf_counter()
         while not ticket.wait(self.interval):
             self.check()
@@ -407,51 +406,3 @@ class FailureMonitor:
         exc = PipelineFailure(message)
         exc.failed_rank = self.rank  # type: ignore[attr-defined]
         return exc
-
-
-class _Ticket(threading.Event):
-    """Set by a waiter thread once its works are done; ``error`` if one raised."""
-
-    error: BaseException | None = None
-
-
-class Pending:
-    """Works being watched; ``done()`` never blocks."""
-
-    __slots__ = ("works", "ticket")
-
-    def __init__(self, works: Sequence[dist.Work], ticket: _Ticket | None) -> None:
-        self.works = works
-        self.ticket = ticket
-
-    def done(self) -> bool:
-        if self.ticket is not None:
-            return self.ticket.is_set()
-        return all(w.is_completed() for w in self.works)
-
-
-class _Waiter:
-    """A daemon thread calling ``wait()`` on the works it is given, one after the other."""
-
-    def __init__(self, name: str) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._name = name
-        self._thread: threading.Thread | None = None
-
-    def submit(self, works: Sequence[dist.Work]) -> _Ticket:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-            self._thread.start()
-        ticket = _Ticket()
-        self._queue.put((works, ticket))
-        return ticket
-
-    def _run(self) -> None:
-        while True:
-            works, ticket = self._queue.get()
-            try:
-                for work in works:
-                    work.wait()  # releases the GIL
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
-                ticket.error = exc
-            ticket.set()
