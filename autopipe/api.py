@@ -13,6 +13,7 @@ The steps run in this order, each a function of the last (see ARCHITECTURE):
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -128,7 +129,7 @@ def parallelize(
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     schedule = schedule or ("interleaved_1f1b" if chunks > 1 else "1f1b")
-    if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not deadline > 0:
+    if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not 0 < deadline < math.inf:
         raise ConfigError(f"deadline={deadline!r}; pass a positive number of seconds (how long a rank waits "
                           "for its peers before deciding that one has failed)")
     agree(dict(

@@ -159,6 +159,8 @@ def test_bad_input_is_typed_before_any_collective():
         autopipe.parallelize(model, (torch.randn(2, 3, 32, 32),), pp=2, loss_fn=_loss)
     with pytest.raises(ConfigError, match="loss_fn"):
         autopipe.parallelize(model, (torch.randn(2, 3, 32, 32),), loss_fn=None)
+    with pytest.raises(ConfigError, match=r"deadline=inf; pass a positive number of seconds"):
+        autopipe.parallelize(model, (torch.randn(2, 3, 32, 32),), loss_fn=_loss, deadline=float("inf"))
 
 
 def _lone_relu(rank, world):
