@@ -78,6 +78,8 @@ def agree(arguments: Mapping[str, Any], *, deadline: float, what: str = "paralle
             verdict = ("absent", _absent(missing, what, deadline))
         else:
             verdict = _differences([json.loads(v) for v in store.multi_get(keys)], what)
+            for key in keys[1:]:  # read once, here (the others wait for rank 0's own)
+                store.delete_key(key)
         store.set(f"{base}/verdict", json.dumps(verdict))
     else:
         try:  # rank 0 waits ``deadline`` from its own arrival for the others

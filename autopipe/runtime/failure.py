@@ -171,6 +171,7 @@ class FailureMonitor:
         self.interval = interval
         self.failed: PipelineFailure | None = None
         self._calls = 0  # collective API calls, see arrive()
+        self._previous: str | None = None  # the store keys of the last call that every rank made
         # Gloo's p2p works complete only inside wait(): see [Note: failure propagation].
         self._recvs = Waiter("autopipe-recv-wait") if threaded else None
         self._sends = Waiter("autopipe-send-wait") if threaded else None
@@ -338,10 +339,16 @@ class FailureMonitor:
         self.store.set(f"{base}/rank{self.rank}", what)
         if self.store.add(f"{base}/{what}/count", 1) == self.size:
             self.store.set(f"{base}/{what}/all", "1")
+            if self._previous is not None:  # every rank is past the previous call: its keys can go
+                self.store.delete_key(f"{self._previous}/count")
+                self.store.delete_key(f"{self._previous}/all")
         start, piece = time.perf_counter(), datetime.timedelta(seconds=self.interval)
         while True:
             try:
                 self.store.wait([f"{base}/{what}/all"], piece)
+                # Read only by ranks that wait in vain, which no rank does once all came.
+                self.store.delete_key(f"{base}/rank{self.rank}")
+                self._previous = f"{base}/{what}"
                 return
             except Exception:  # noqa: BLE001 - a timed-out slice
                 pass
