@@ -1,7 +1,9 @@
 """``parallelize()``: pipeline x tensor x data parallelism for an unmodified model, in one call.
 
 The steps run in this order, each a function of the last (see ARCHITECTURE):
-1. check every argument on this rank (no collective yet, so a mistake cannot hang a peer);
+1. agree on the arguments with every other rank (over the store, with the deadline: see
+   [Note: argument agreement]), then check them on this rank (no collective yet, so a mistake
+   cannot hang a peer); from here on a failure on any rank reaches every rank;
 2. trace the model to a graph;
 3. shard it for this tp rank (before partitioning: the cost model must see sharded compute);
 4. cut it into ``pp * chunks`` stages (deterministic: every rank computes the same plan);
@@ -11,6 +13,7 @@ The steps run in this order, each a function of the last (see ARCHITECTURE):
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Callable, Iterable, Sequence
 
@@ -19,8 +22,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.torch_version import TorchVersion
 
+from .agreement import agree
 from .emit import emit_stages
-from .errors import ConfigError
+from .errors import ConfigError, PartitionError
 from .measure import MeasureOptions, RunSetup, measured_plan
 from .partition.device import execution_mode, get_profile
 from .partition.measured import MeasuredCosts
@@ -28,7 +32,9 @@ from .mesh import ParallelDims, build_mesh, default_device
 from .model import ParallelModel, StageRuntime
 from .partition.mlp_pieces import split_mlps as cut_mlps
 from .partition.partitioner import partition
+from .partition.plan import PartitionPlan
 from .runtime.batchnorm import BatchNormStats, check_batchnorm
+from .runtime.failure import FailureMonitor
 from .runtime.microbatch import SPLITS
 from .runtime.schedule import SCHEDULES, validate
 from .tracer import trace
@@ -59,6 +65,32 @@ def _check_costs(costs: Any, measure: Any) -> None:
         raise ConfigError(f"costs={costs!r}; use 'analytic', 'measured', a profile file's path or a MeasuredCosts")
     if measure is not None and not isinstance(measure, MeasureOptions):
         raise ConfigError(f"measure={measure!r}; pass autopipe.measure.MeasureOptions(...) or None")
+
+
+def _device(device: torch.device | str | None) -> torch.device:
+    if device is None:
+        return default_device()
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        why = "torch was built without CUDA" if torch.version.cuda is None else "no GPU is visible"
+        raise ConfigError(f"device={str(device)!r}, but there is no CUDA on this machine ({why}: "
+                          "torch.cuda.is_available() is False); pass device='cpu', or run on a machine with a GPU")
+    return device
+
+
+def _check_parameters(plan: PartitionPlan) -> None:
+    """Every pipeline rank must hold parameters: an optimizer over none raises (on that rank
+    alone). Checked on the plan, so every rank refuses alike before the first collective."""
+    for r in range(plan.pp):
+        stages = [s for s in plan.stages if s.pp_rank == r]
+        if not any(s.params for s in stages):
+            held = "; ".join(f"stage {s.index}: module '{s.modules[0]}'" if s.modules[0] == s.modules[1] else
+                             f"stage {s.index}: modules '{s.modules[0]}' to '{s.modules[1]}'" for s in stages)
+            raise PartitionError(
+                f"pipeline rank {r} would hold no parameters ({held}), and an optimizer over no parameters "
+                f"fails on that rank (torch.optim raises on an empty list). Use fewer stages (pp={plan.pp} x "
+                f"chunks={plan.chunks}; {sum(1 for s in plan.stages if s.params)} of these stages hold "
+                "parameters), or balance= cut points that give every pipeline rank a layer with parameters")
 
 
 def parallelize(
@@ -127,12 +159,29 @@ def parallelize(
     sizes differ by at most one, weighing each micro-batch's loss by its share of the batch,
     and runs a batch smaller than ``microbatches`` as one micro-batch per sample (see [Note:
     batch splits]). Evaluation batches always split unevenly.
+    ``device`` defaults to this rank's GPU where CUDA is available and the process group is not
+    gloo alone, else the CPU. Every rank must pass the same arguments (checked: see [Note:
+    argument agreement]); ``deadline`` (seconds) bounds every wait for another rank, so that a
+    rank that fails, dies or does not come makes the others raise instead of hanging (see
+    [Note: failure propagation]).
     """
-    # 1. Local checks: every rank raises the same error before any collective.
+    # 1. The same arguments on every rank, then local checks: every rank raises the same error
+    #    before any collective.
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     leaf_modules = tuple(leaf_modules)  # read again by re-traces at other batch sizes
     schedule = schedule or ("interleaved_1f1b" if chunks > 1 else "1f1b")
+    if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not 0 < deadline < math.inf:
+        raise ConfigError(f"deadline={deadline!r}; pass a positive number of seconds (how long a rank waits "
+                          "for its peers before deciding that one has failed)")
+    agree(dict(
+        model=model, example_inputs=tuple(example_inputs), pp=pp, tp=tp, microbatches=microbatches,
+        schedule=schedule, chunks=chunks, balance=balance, shard_rules=shard_rules,
+        sequence_parallel=sequence_parallel, leaf_modules=leaf_modules, exec_sequence=exec_sequence,
+        mixed_precision=mixed_precision, activation_checkpointing=activation_checkpointing,
+        device=None if device is None else torch.device(device).type, profile=profile, cuda_graphs=cuda_graphs,
+        split_mlps=split_mlps, compile_stages=compile_stages,
+    ), deadline=deadline)
     if cuda_graphs and tp > 1:
         raise ConfigError(f"cuda_graphs=True with tp={tp}: stages holding tensor-parallel collectives are "
                           "not captured; use cuda_graphs=False, or tp=1")
@@ -148,7 +197,7 @@ def parallelize(
     _check(loss_fn, schedule, pp, chunks, microbatches, mixed_precision, batch_split)
     _check_costs(costs, measure)
     check_batchnorm(None, batchnorm, cuda_graphs=cuda_graphs)
-    device = torch.device(device) if device is not None else default_device()
+    device = _device(device)
     rank = dist.get_rank() if dist.is_initialized() else 0
     pp_rank, dp_rank, tp_rank = dims.coords(rank)
     if world > 1 and not dist.is_initialized():
@@ -207,6 +256,7 @@ def parallelize(
                              measured=None if costs == "measured" else costs)
     traced = cut_mlps(traced, plan.mlp_pieces)  # the graph the plan names
     check_batchnorm(traced.gm, batchnorm)
+    _check_parameters(plan)
 
     # 5. Mesh (the first collective).
     mesh = build_mesh(dims, device)
@@ -215,9 +265,12 @@ def parallelize(
 
         register_group("tp", mesh.tp_group)
 
-    # 6. This rank's stages.
+    # 6. This rank's stages. From here on a rank that fails alone (out of memory) records it,
+    #    and the others raise instead of waiting: see [Note: failure propagation].
+    monitor = FailureMonitor.for_world(dims.name(rank), deadline=deadline, threaded=device.type == "cpu")
     local = [s.index for s in plan.stages if s.pp_rank == pp_rank]
-    stages = {i: m.to(device) for i, m in emit_stages(traced, plan, local).items()}
+    with monitor.guard():
+        stages = {i: m.to(device) for i, m in emit_stages(traced, plan, local).items()}
     norms = BatchNormStats.install(stages.values(), batchnorm, mesh.dp_group, dims.dp)
 
     retrace = planned_size_only(uncopied) if uncopied else None
@@ -228,6 +281,6 @@ def parallelize(
         plan=plan, traced=traced, stages=stages, mesh=mesh, schedule=schedule, loss_fn=loss_fn,
         compute_dtype=_PRECISIONS[mixed_precision], activation_checkpointing=activation_checkpointing,
         deadline=deadline, record_timeline=record_timeline, cuda_graphs=cuda_graphs,
-        compile_stages=compile_stages, batchnorm=norms, retrace=retrace, batch_split=batch_split,
+        compile_stages=compile_stages, batchnorm=norms, retrace=retrace, batch_split=batch_split, monitor=monitor,
     )
     return ParallelModel(model, runtime, shard_plan=shard_plan, fp16=mixed_precision == "fp16")

@@ -33,7 +33,13 @@ successful save deletes. Every rank must see ``path`` on one shared filesystem (
 Every step that can fail on one rank alone (argument checks, building the state, writing,
 reading, applying) is followed by one all_gather_object of each rank's error, so all ranks
 raise the same CheckpointError together instead of leaving peers in a collective. DCP's own
-save/load propagate a failure of any rank to all of them.
+save/load propagate a failure of any rank to all of them. A rank that dies cannot answer,
+so these collectives and DCP's run over a gloo group of their own whose timeout is the
+model's ``deadline`` (created by every rank at its first save or load): a survivor's
+collective fails at the latest after ``deadline`` seconds, and it raises CheckpointError
+("lost contact with the other ranks while ..."), naming the failure another rank recorded
+where there is one; the error is recorded too, so the model refuses further steps. Files are
+checked against checksums at load; see [Note: checkpoint checksums] in checkpoint_files.py.
 """
 from __future__ import annotations
 
@@ -44,7 +50,7 @@ import re
 import shutil
 import uuid
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -52,8 +58,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException as DCPException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from .checkpoint_files import ChecksummedWriter, VerifyingReader, checksum, verify
+from .checkpoint_ranks import agree, checkpoint_group, from_rank0, world_of
 from .errors import CheckpointError
 from .partition.mlp_pieces import PieceParam, piece_params
+from .runtime.failure import wait_works
 from .shard.state import merge_shards, shard_tensor
 from .zero import held_parameters, local_optimizer
 
@@ -70,46 +79,6 @@ MANIFEST = "manifest.pt"
 EXTRA = "extra.pt"
 
 
-# ----------------------------------------------------------------------------- collectives
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _agree(error: str | None, payload: Any = None) -> list[Any]:
-    """Every rank's ``payload``; raises one CheckpointError on every rank if any rank had an error."""
-    rank, world = _world()
-    entries: list[Any] = [(error, payload)]
-    if world > 1:
-        entries = [None] * world
-        dist.all_gather_object(entries, (error, payload))
-    failed = [(r, e) for r, (e, _) in enumerate(entries) if e is not None]
-    if failed:
-        r, e = failed[0]
-        raise CheckpointError(e if world == 1 else f"rank {r}: {e}")
-    return [p for _, p in entries]
-
-
-def _from_rank0(fn: Callable[[], Any]) -> Any:
-    """``fn()`` run on rank 0 and handed to every rank; its failure is raised on every rank."""
-    rank, world = _world()
-    box: list[Any] = [None]
-    if rank == 0:
-        try:
-            box = [(None, fn())]
-        except CheckpointError as exc:
-            box = [(str(exc), None)]
-        except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
-            box = [(f"{type(exc).__name__}: {exc}", None)]
-    if world > 1:
-        dist.broadcast_object_list(box, src=0)
-    error, value = box[0]
-    if error is not None:
-        raise CheckpointError(error)
-    return value
-
-
 @contextlib.contextmanager
 def _quiet(world: int) -> Iterator[None]:
     """Without a process group DCP warns that it assumes one process, which is what is meant."""
@@ -122,7 +91,9 @@ def _quiet(world: int) -> Iterator[None]:
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, DCPException):  # a BaseException: one entry per failed rank
         return "; ".join(f"rank {r}: {_describe(e)}" for r, (e, _) in sorted(exc.failures.items()))
-    return str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, CheckpointError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}" if str(exc) else f"{type(exc).__name__} (no message; a file may be truncated)"
 
 
 # ----------------------------------------------------------------------------- state
@@ -145,7 +116,9 @@ def _tp_full(pm: ParallelModel, name: str, t: torch.Tensor, local_shape: tuple[i
     if ps is None or not ps.sharded or plan.tp == 1 or tuple(t.shape) != local_shape:
         return t.detach().cpu()
     parts = [torch.empty_like(t) for _ in range(plan.tp)]
-    dist.all_gather(parts, t.detach().contiguous(), group=pm._mesh.tp_group)
+    group = pm._mesh.tp_group
+    wait_works([dist.all_gather(parts, t.detach().contiguous(), group=group, async_op=True)],
+               f"all-gather of the optimizer state of '{name}' over the tp ranks", group, t.device)
     return merge_shards(parts, ps, plan.custom_splits.get(name)).cpu()
 
 
@@ -277,7 +250,8 @@ def save_checkpoint(pm: ParallelModel, path: str | os.PathLike, optimizer: torch
                     *, extra: Any = None) -> str:
     """Collective. See [Note: checkpoint layout]; returns the directory that ``latest`` names."""
     path = os.fspath(path)
-    rank, world = _world()
+    rank, world = world_of()
+    group = checkpoint_group(pm)
     # 1. Local checks, and rank 0 names the new directory.
     error, names, extra_bytes = None, None, None
     try:
@@ -289,7 +263,7 @@ def save_checkpoint(pm: ParallelModel, path: str | os.PathLike, optimizer: torch
             extra_bytes = _serialise_extra(extra)
     except Exception as exc:  # noqa: BLE001 - agreed on below
         error = _describe(exc)
-    proposals = _agree(error, (f"{PREFIX}{uuid.uuid4().hex[:12]}", path))
+    proposals = agree(group, error, (f"{PREFIX}{uuid.uuid4().hex[:12]}", path))
     paths = sorted({p for _, p in proposals})
     if len(paths) > 1:
         raise CheckpointError(f"the ranks passed different checkpoint paths ({', '.join(map(repr, paths[:4]))}); "
@@ -324,19 +298,23 @@ def save_checkpoint(pm: ParallelModel, path: str | os.PathLike, optimizer: torch
     except Exception as exc:  # noqa: BLE001 - agreed on below
         error = _describe(exc)
     try:
-        infos = _agree(error, info)
+        infos = agree(group, error, info)
     except CheckpointError as exc:
         raise fail("preparing the state", exc) from None
 
-    # 3. Write (DCP raises on every rank if any rank's write failed).
-    error = None
+    # 3. Write (DCP raises on every rank if any rank's write failed), then sum up the files.
+    error, sums = None, {}
     try:
+        writer = ChecksummedWriter(target)
         with _quiet(world):
-            dcp.save(state, checkpoint_id=target, no_dist=world == 1)
+            dcp.save(state, storage_writer=writer, process_group=group, no_dist=world == 1)
+        sums = writer.checksums()
+        if rank == 0:
+            sums[".metadata"] = checksum(os.path.join(target, ".metadata"))
     except (Exception, DCPException) as exc:  # noqa: BLE001 - agreed on below
         error = _describe(exc)
     try:
-        _agree(error)
+        checksums = {k: v for part in agree(group, error, sums) for k, v in part.items()}
     except CheckpointError as exc:
         raise fail("writing the shards", exc) from None
 
@@ -353,6 +331,7 @@ def save_checkpoint(pm: ParallelModel, path: str | os.PathLike, optimizer: torch
             "optimizer": merged if optimizer is not None else None,
             "loss_scaler": None if scaler is None else {"scale": scaler.scale, "good_steps": scaler._good_steps},
             "extra": extra_bytes is not None,
+            "checksums": checksums,  # see [Note: checkpoint checksums]
         }
         buf = io.BytesIO()
         torch.save(manifest, buf)
@@ -371,7 +350,7 @@ def save_checkpoint(pm: ParallelModel, path: str | os.PathLike, optimizer: torch
                     os.remove(os.path.join(path, entry))
 
     try:
-        _from_rank0(commit)  # raises before os.replace or not at all
+        from_rank0(group, commit)  # raises before os.replace or not at all
     except CheckpointError as exc:
         raise fail("committing", exc) from None
     return target
@@ -393,13 +372,20 @@ def _read(path: str) -> dict[str, Any]:
         raise CheckpointError(f"{path!r} holds no complete autopipe checkpoint: {found}. Pass the directory "
                               "given to pm.save_checkpoint(); a save that was interrupted leaves nothing to load")
     target = os.path.join(path, name)
+    file = MANIFEST
     try:
         manifest = torch.load(os.path.join(target, MANIFEST), weights_only=True)
+        file = ".metadata"
+        verify(target, file, manifest.get("checksums"))
         metadata = dcp.FileSystemReader(target).read_metadata()
+        file = EXTRA
         extra = torch.load(os.path.join(target, EXTRA), weights_only=True) if manifest["extra"] else None
+    except CheckpointError:
+        raise
     except Exception as exc:  # noqa: BLE001 - becomes the message
-        raise CheckpointError(f"checkpoint {target!r} (named by {path}/{LATEST}) cannot be read: "
-                              f"{_describe(exc)}; it was changed or truncated after it was saved") from None
+        raise CheckpointError(f"checkpoint {target!r} (named by {path}/{LATEST}) cannot be read: its file "
+                              f"{file!r} gives {_describe(exc)}; it was changed or truncated after it was saved"
+                              ) from None
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {target!r} has format {manifest.get('format')!r}; this autopipe "
                               f"reads format {FORMAT}. Load it with the autopipe version that saved it")
@@ -492,22 +478,24 @@ def _apply_optimizer(pm: ParallelModel, optimizer: torch.optim.Optimizer, states
 def load_checkpoint(pm: ParallelModel, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> Any:
     """Collective. Loads the checkpoint ``path/latest`` names; returns the ``extra`` it was saved with."""
     path = os.fspath(path)
-    found = _from_rank0(lambda: _read(path))
-    world = _world()[1]
+    group = checkpoint_group(pm)
+    found = from_rank0(group, lambda: _read(path))
+    world = world_of()[1]
     error, state = None, {}
     try:
         state = _targets(pm, optimizer, found)
     except Exception as exc:  # noqa: BLE001 - agreed on below
         error = _describe(exc)
-    _agree(error)
+    agree(group, error)
 
     error = None
     try:
+        reader = VerifyingReader(found["dir"], found["manifest"].get("checksums"))
         with _quiet(world):
-            dcp.load(state, checkpoint_id=found["dir"], no_dist=world == 1)
+            dcp.load(state, storage_reader=reader, process_group=group, no_dist=world == 1)
     except (Exception, DCPException) as exc:  # noqa: BLE001 - agreed on below
         error = f"reading {found['dir']!r} failed: {_describe(exc)}"
-    _agree(error)
+    agree(group, error)
 
     error = None
     try:
@@ -522,5 +510,5 @@ def load_checkpoint(pm: ParallelModel, path: str | os.PathLike, optimizer: torch
             pm._runtime.loss_scale = pm._scaler.scale
     except Exception as exc:  # noqa: BLE001 - agreed on below
         error = f"applying {found['dir']!r} failed: {_describe(exc)}"
-    _agree(error)
+    agree(group, error)
     return found["extra"]

@@ -51,6 +51,11 @@ class ParallelDims:
     def describe(self) -> str:
         return f"pp={self.pp} x dp={self.dp} x tp={self.tp} (tp innermost, then dp, then pp)"
 
+    def name(self, rank: int) -> str:
+        """How messages name a rank: "rank 5 (pp 1, dp 0, tp 1)"."""
+        pp_rank, dp_rank, tp_rank = self.coords(rank)
+        return f"rank {rank} (pp {pp_rank}, dp {dp_rank}, tp {tp_rank})"
+
 
 @dataclass
 class Mesh:
@@ -68,7 +73,10 @@ class Mesh:
 
 
 def default_device() -> torch.device:
-    if torch.cuda.is_available():
+    """This rank's GPU where CUDA is available and the process group can carry CUDA tensors
+    (any backend but gloo alone, whose sends take CPU tensors only); else the CPU."""
+    gloo_only = dist.is_initialized() and dist.get_backend() == "gloo"
+    if torch.cuda.is_available() and not gloo_only:
         import os
 
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())

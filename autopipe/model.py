@@ -11,6 +11,7 @@ import contextlib
 import functools
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
@@ -25,6 +26,8 @@ from .partition.mlp_pieces import merge_pieces, take_piece
 from .partition.plan import PartitionPlan
 from .runtime.batchnorm import BatchNormStats
 from .runtime.driver import PipelineDriver
+from .runtime.failure import FailureMonitor, synced, wait_works
+from .runtime.objects import all_gather_objects
 from .runtime.p2p import TensorSpec
 from .runtime.timeline import Timeline
 from .runtime.weight_casts import WeightCasts
@@ -151,6 +154,7 @@ class StageRuntime:
                 self._wrap(i, stage)
         specs = [[self._spec(v.shape, v.dtype) for v in b] for b in boundary_values(traced, plan)]
         return stages, specs
+    monitor: FailureMonitor | None = None  # shared by the whole mesh; see [Note: failure propagation]
 
     def __post_init__(self) -> None:
         plan, last = self.plan, self.plan.num_stages - 1
@@ -171,7 +175,7 @@ class StageRuntime:
             loss_fn=self._scaled_loss, postprocess=self.traced.unflatten_output, device=self.mesh.device,
             timeline=self.timeline, input_specs=input_specs, deadline=self.deadline, cuda_graphs=self.cuda_graphs,
             warm_up_stages=self.compile_stages, links=self.mesh.links, variants=self._variant,
-            split=self.batch_split,
+            split=self.batch_split, monitor=self.monitor,
         )
 
     def _scaled_loss(self, output: Any, target: Any) -> torch.Tensor:
@@ -190,6 +194,10 @@ class StageRuntime:
 
 @dataclass
 class StepResult:
+    """What :meth:`ParallelModel.step` did: the global gradient norm (None where it was not
+    computed), whether the update was skipped (fp16 overflow, or a non-finite norm), the fp16
+    loss scale (1.0 without fp16)."""
+
     grad_norm: float | None
     skipped: bool
     loss_scale: float
@@ -211,7 +219,9 @@ class ParallelModel:
         self._signature = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         self._sync = True  # False inside no_sync()
         self._unsynced = False  # .grad holds this replica's sum of calls under no_sync()
-        self._sync_replicas()
+        self._skipped_steps = 0  # updates skipped for a non-finite gradient norm
+        with self._monitor.guard():
+            self._sync_replicas()
 
     # ----------------------------------------------------------------------------- layout
     @property
@@ -314,22 +324,23 @@ class ParallelModel:
         self._runtime.grad_scale = float(grad_scale)
         self._refresh_weight_casts()
         norms = self._runtime.batchnorm  # see [Note: deferred batch norm]
-        try:
-            with norms.step() if norms is not None else contextlib.nullcontext():
-                result = self._runtime.driver.train_step(inputs, targets, return_outputs=return_outputs)
-        finally:
-            self._runtime.grad_scale = 1.0
-        if self._shard_plan is not None and self._shard_plan.sequence_parallel_params:
-            from .shard import reduce_sequence_parallel_grads
+        with self._monitor.guard():
+            try:
+                with norms.step() if norms is not None else contextlib.nullcontext():
+                    result = self._runtime.driver.train_step(inputs, targets, return_outputs=return_outputs)
+            finally:
+                self._runtime.grad_scale = 1.0
+            if self._shard_plan is not None and self._shard_plan.sequence_parallel_params:
+                from .shard import reduce_sequence_parallel_grads
 
-            reduce_sequence_parallel_grads(self.named_parameters(), self._shard_plan, self._mesh.tp_group)
+                reduce_sequence_parallel_grads(self.named_parameters(), self._shard_plan, self._mesh.tp_group)
+            self._unsynced = True
+            if self._sync:
+                self._average_gradients()
         loss = result[0] if return_outputs else result
         scale = (self._scaler.scale if self._scaler is not None else 1.0) * grad_scale
         if scale != 1.0:
             loss = loss / scale
-        self._unsynced = True
-        if self._sync:
-            self._average_gradients()
         return (loss, result[1]) if return_outputs else loss
 
     # [Note: gradient accumulation]
@@ -381,33 +392,66 @@ class ParallelModel:
         if self._runtime.weight_casts is not None:
             self._runtime.weight_casts.refresh()
 
-    def clip_grad_norm_(self, max_norm: float) -> float:
-        """Clip gradients by their global L2 norm over the whole model; returns the norm."""
+    @property
+    def _monitor(self) -> FailureMonitor:
+        return self._runtime.driver.monitor
+
+    def _grad_norm(self) -> torch.Tensor:
+        """The global L2 norm of the (dp-averaged) gradients, the same on every rank."""
         self._average_gradients()
         norm = global_grad_norm(self._counted_parameters(), [self._mesh.pp_group, self._mesh.tp_group],
                                 self.device)
-        clip_gradients(self.parameters(), norm, max_norm)
-        return float(norm)
+        return synced(norm, "the global gradient norm")
 
-    def step(self, optimizer: torch.optim.Optimizer, *, max_norm: float | None = None) -> StepResult:
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip gradients by their global L2 norm over the whole model; returns the norm."""
+        with self._monitor.guard():
+            norm = self._grad_norm()
+            clip_gradients(self.parameters(), norm, max_norm)
+            return float(norm)
+
+    def step(self, optimizer: torch.optim.Optimizer, *, max_norm: float | None = None,
+             skip_nonfinite: bool = True) -> StepResult:
         """Unscale (fp16), skip on overflow (the same decision on every rank), clip, step.
 
         With fp16, an inf or NaN in any rank's gradients skips the step on every rank and
         halves the loss scale; the (unscaled) gradients are left for ``zero_grad()``.
+        Otherwise, with ``skip_nonfinite`` (the default), a global gradient norm that is inf or
+        NaN skips the update on every rank alike (``StepResult.skipped``, and a warning on
+        rank 0): one NaN pixel would otherwise turn every parameter and the optimizer's state
+        into NaN for good, where skipping loses one batch. It costs one scalar all-reduce per
+        step, none with ``max_norm`` (clipping computes the norm anyway). Pass False to apply
+        every update as ``optimizer.step()`` alone would.
         """
-        self._average_gradients()
-        skipped = False
-        if self._scaler is not None:
-            skipped = self._scaler.found_inf(self.parameters(), None, self.device)
-        norm = None
-        if not skipped:
-            if max_norm is not None:
-                norm = self.clip_grad_norm_(max_norm)
-            optimizer.step()
+        with self._monitor.guard():
+            self._average_gradients()
+            skipped, norm = False, None
+            if self._scaler is not None:
+                skipped = self._scaler.found_inf(self.parameters(), None, self.device)
+            elif max_norm is not None or skip_nonfinite:
+                total = self._grad_norm()
+                norm = float(total)
+                skipped = skip_nonfinite and not math.isfinite(norm)
+                if skipped:
+                    self._report_skip(norm)
+                elif max_norm is not None:
+                    clip_gradients(self.parameters(), total, max_norm)
+            if not skipped:
+                if max_norm is not None and norm is None:
+                    norm = self.clip_grad_norm_(max_norm)
+                optimizer.step()
         if self._scaler is not None:
             self._scaler.update(skipped)
             self._runtime.loss_scale = self._scaler.scale
         return StepResult(norm, skipped, self._scaler.scale if self._scaler else 1.0)
+
+    def _report_skip(self, norm: float) -> None:
+        self._skipped_steps += 1
+        if self._mesh.rank == 0:
+            warnings.warn(f"ParallelModel.step skipped the update: the global gradient norm is {norm} "
+                          f"({self._skipped_steps} step(s) skipped so far); the gradients were left for "
+                          "zero_grad(). Look for inf/NaN in the inputs or the loss, or lower the learning rate "
+                          "(step(..., skip_nonfinite=False) applies such updates)", RuntimeWarning, stacklevel=3)
 
     # ----------------------------------------------------------------------------- state
     def _sync_replicas(self) -> None:
@@ -416,9 +460,9 @@ class ParallelModel:
         if group is None or self.dp_size == 1:
             return
         src = dist.get_global_rank(group, 0)
-        for s in sorted(self._runtime.stages):
-            for t in self._runtime.stages[s].state_dict().values():
-                dist.broadcast(t, src=src, group=group)
+        works = [dist.broadcast(t, src=src, group=group, async_op=True)
+                 for s in sorted(self._runtime.stages) for t in self._runtime.stages[s].state_dict().values()]
+        wait_works(works, "broadcast of the parameters from dp replica 0", group, self.device)
 
     def _local_full_state(self) -> dict[str, torch.Tensor]:
         """This pp rank's share of the full state_dict (tp shards merged), on CPU."""
@@ -437,8 +481,14 @@ class ParallelModel:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unmodified model's state_dict (its keys, full shapes) on every rank, on CPU.
 
-        Loads with ``strict=True`` into a fresh instance of the model. Collective.
+        Loads with ``strict=True`` into a fresh instance of the model. Collective: a rank that
+        calls it alone raises PipelineFailure after ``deadline`` seconds, naming the others.
         """
+        self._monitor.arrive("full_state_dict()")
+        with self._monitor.guard():
+            return self._full_state_dict()
+
+    def _full_state_dict(self) -> dict[str, torch.Tensor]:
         current = {k: tuple(v.shape) for k, v in self._model.state_dict().items()}
         if current != self._signature:
             changed = sorted(set(current) ^ set(self._signature)) or \
@@ -450,8 +500,7 @@ class ParallelModel:
         local = self._local_full_state()
         group = self._mesh.pp_group
         if group is not None and dist.get_world_size(group) > 1:
-            parts: list[Any] = [None] * dist.get_world_size(group)
-            dist.all_gather_object(parts, local, group=group)
+            parts = all_gather_objects(local, group, self.device, "all-gather of the state over the pipeline ranks")
             for part in parts:
                 local.update(part)
         local = merge_pieces(local, self.plan.mlp_pieces)
@@ -493,7 +542,9 @@ class ParallelModel:
         """
         from .checkpoint import save_checkpoint
 
-        return save_checkpoint(self, path, optimizer, extra=extra)
+        self._monitor.arrive("save_checkpoint()")
+        with self._monitor.guard(record=False):  # see [Note: no rank left waiting] in checkpoint.py
+            return save_checkpoint(self, path, optimizer, extra=extra)
 
     def load_checkpoint(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> Any:
         """Load the last complete checkpoint saved into ``path`` (collective); returns its ``extra``.
@@ -503,7 +554,9 @@ class ParallelModel:
         """
         from .checkpoint import load_checkpoint
 
-        return load_checkpoint(self, path, optimizer)
+        self._monitor.arrive("load_checkpoint()")
+        with self._monitor.guard(record=False):
+            return load_checkpoint(self, path, optimizer)
 
     def _load_local_state(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Load this rank's stages from full (unsharded) tensors keyed by the model's names."""

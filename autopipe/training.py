@@ -1,5 +1,8 @@
 """Training-step pieces that span the mesh: data-parallel gradient averaging, global
 gradient-norm clipping, and the fp16 dynamic loss scale whose skip decision every rank shares.
+
+Their collectives wait through the active failure monitor, so that a failed peer raises
+instead of hanging (see [Note: collective waits] in runtime/failure.py).
 """
 from __future__ import annotations
 
@@ -10,6 +13,8 @@ from typing import Iterable, Sequence
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from .runtime.failure import synced, wait_works
 
 __all__ = ["average_gradients", "sum_gradients", "global_grad_norm", "clip_gradients", "LossScaler"]
 
@@ -38,21 +43,24 @@ def average_gradients(params: Iterable[torch.nn.Parameter], group: dist.ProcessG
     """Average ``.grad`` over ``group`` (the dp replicas) in flat buckets, all in flight at once."""
     if group is None or size == 1:
         return
-    sum_gradients(params, group, divide_by=size)
+    sum_gradients(params, group, divide_by=size, what="gradient all-reduce over the data-parallel replicas")
 
 
-def sum_gradients(params: Iterable[torch.nn.Parameter], group: dist.ProcessGroup, *, divide_by: int = 1) -> None:
-    """Sum ``.grad`` over ``group`` (then divide by ``divide_by``) in flat buckets, all in flight at once."""
+def sum_gradients(params: Iterable[torch.nn.Parameter], group: dist.ProcessGroup, *, divide_by: int = 1,
+                  what: str = "gradient all-reduce") -> None:
+    """Sum ``.grad`` over ``group`` (then divide by ``divide_by``) in flat buckets, all in flight
+    at once; ``what`` names the all-reduce in errors."""
     pending = []
     for bucket in _buckets(list(params), BUCKET_BYTES):
         flat = _flatten_dense_tensors(bucket)
         if divide_by != 1:
             flat.div_(divide_by)
         pending.append((dist.all_reduce(flat, group=group, async_op=True), flat, bucket))
-    for work, flat, bucket in pending:
-        work.wait()
-        for g, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-            g.copy_(synced)
+    if pending:
+        wait_works([work for work, _, _ in pending], what, group, pending[0][1].device)
+    for _, flat, bucket in pending:
+        for g, summed in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+            g.copy_(summed)
 
 
 def global_grad_norm(
@@ -70,7 +78,9 @@ def global_grad_norm(
         total = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
     for group in groups:
         if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(total, group=group)
+            wait_works([dist.all_reduce(total, group=group, async_op=True)],
+                       f"all-reduce of the gradient norm over ranks {dist.get_process_group_ranks(group)}",
+                       group, device)
     return total.sqrt()
 
 
@@ -102,8 +112,9 @@ class LossScaler:
                 p.grad.mul_(inv)
                 flag = torch.maximum(flag, (~torch.isfinite(p.grad)).any().float())
         if dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return bool(flag.item())
+            wait_works([dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True)],
+                       "all-reduce of the fp16 overflow flag", group, device)
+        return bool(synced(flag, "the fp16 overflow flag").item())
 
     def update(self, skipped: bool) -> None:
         if skipped:

@@ -3,9 +3,14 @@
 Import it as ``from tests.distributed import run_distributed`` (``tests`` is a package).
 A rank that raises or dies fails the test with its rank and traceback; a global timeout kills
 every child, so a hung collective fails the test instead of hanging CI.
+
+The ranks run on the CPU on any machine: ``parallelize`` picks the CPU by default under a gloo
+process group (a GPU machine included), and tests that need CUDA's answers without a GPU use
+:func:`cuda_present`.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import os
@@ -14,13 +19,14 @@ import queue
 import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
+from unittest import mock
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["RankError", "DistributedTestError", "run_distributed"]
+__all__ = ["RankError", "DistributedTestError", "run_distributed", "cuda_present"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +103,9 @@ def run_distributed(
     """
     ctx = mp.get_context("forkserver")
     # The server imports torch once per test session; each rank is then a cheap fork of it.
-    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    # timm too: tracing imports it (and torchvision) for its own rules, ~15 s per process on
+    # a loaded 2-core machine. Modules that are not installed are skipped.
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "timm"])
     results = ctx.Queue()
     release = ctx.Event()
     with tempfile.TemporaryDirectory(prefix="autopipe-dist-") as tmp:
@@ -149,3 +157,12 @@ def run_distributed(
     if failed and not return_exceptions:
         raise DistributedTestError("\n".join(str(f) for f in failed))
     return values
+
+
+@contextlib.contextmanager
+def cuda_present() -> Iterator[None]:
+    """Inside, torch says one GPU is there (nothing runs on it): what code that only asks
+    sees on a GPU machine, so such behaviour is tested on CPU-only machines too."""
+    with mock.patch.object(torch.cuda, "is_available", return_value=True), \
+            mock.patch.object(torch.cuda, "device_count", return_value=1):
+        yield

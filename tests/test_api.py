@@ -8,13 +8,16 @@ where rounding is far below the tolerance and only a real error can move the num
 """
 from __future__ import annotations
 
+import re
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import autopipe
-from autopipe.errors import ConfigError, InputError
-from tests.distributed import run_distributed
+from autopipe.errors import ConfigError, InputError, PartitionError
+from tests.distributed import cuda_present, run_distributed
 from tests.models import ADAMW_MODELS, MODELS, logits
 
 STEPS = 3
@@ -156,10 +159,30 @@ def test_bad_input_is_typed_before_any_collective():
         autopipe.parallelize(model, (torch.randn(2, 3, 32, 32),), pp=2, loss_fn=_loss)
     with pytest.raises(ConfigError, match="loss_fn"):
         autopipe.parallelize(model, (torch.randn(2, 3, 32, 32),), loss_fn=None)
+    with pytest.raises(ConfigError, match=r"deadline=inf; pass a positive number of seconds"):
+        autopipe.parallelize(model, (torch.randn(2, 3, 32, 32),), loss_fn=_loss, deadline=float("inf"))
+
+
+def _lone_relu(rank, world):
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU())
+    start = time.perf_counter()
+    with pytest.raises(PartitionError) as info:
+        autopipe.parallelize(model, (torch.randn(2, 16),), pp=4, microbatches=4, loss_fn=F.mse_loss, device="cpu")
+    return str(info.value), time.perf_counter() - start
+
+
+def test_a_pipeline_rank_without_parameters_is_refused_on_every_rank():
+    # pp=4 leaves a lone ReLU on one rank: its optimizer would get no parameters and fail alone.
+    results = run_distributed(_lone_relu, 4, timeout=120)
+    assert len({message for message, _ in results}) == 1  # the same error on every rank, before any collective
+    assert re.match(r"pipeline rank \d would hold no parameters \(stage \d: module '\d'\), and an optimizer over no "
+                    r"parameters fails on that rank .* Use fewer stages \(pp=4 x chunks=1; 3 of these stages hold "
+                    r"parameters\)", results[0][0]), results[0][0]
+    assert all(took < 30 for _, took in results)
 
 
 def _pipeline_on_cuda_over_gloo(rank, world):
-    with pytest.raises(ConfigError, match=r"pp=2 on CUDA needs the NCCL backend: gloo sends and receives CPU"):
+    with cuda_present(), pytest.raises(ConfigError, match=r"pp=2 on CUDA needs the NCCL backend: gloo sends and "):
         autopipe.parallelize(_build("timm_vit", "sgd"), (torch.randn(2, 3, 32, 32),), pp=2, microbatches=2,
                              loss_fn=_loss, device="cuda")
     return True
@@ -169,10 +192,32 @@ def test_a_pipeline_on_cuda_over_gloo_is_refused_before_any_collective():
     assert run_distributed(_pipeline_on_cuda_over_gloo, 2) == [True, True]
 
 
+def _default_device_under_gloo(rank, world):
+    with cuda_present():  # as on a GPU machine
+        pm = autopipe.parallelize(_build("timm_vit", "sgd"), (torch.randn(2, 3, 32, 32),), pp=2, microbatches=2,
+                                  loss_fn=_loss)
+    x, y = _data(0, 1)
+    loss = pm.train_step(x[:4], y[:4])
+    return str(pm.device), next(pm.parameters()).device.type, float(loss)
+
+
+def test_a_gloo_process_group_defaults_to_the_cpu_on_a_gpu_machine():
+    # The multi-process tests rely on it: gloo sends CPU tensors only, so CUDA would be refused.
+    results = run_distributed(_default_device_under_gloo, 2)
+    assert [r[:2] for r in results] == [("cpu", "cpu")] * 2
+    assert results[0][2] == results[1][2] > 0
+
+
+def test_cuda_without_a_gpu_is_refused_naming_the_missing_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"device='cuda', but there is no CUDA on this machine .*pass device='cpu'"):
+        autopipe.parallelize(MODELS["timm_vit"](), (torch.randn(2, 3, 32, 32),), loss_fn=_loss, device="cuda")
+
+
 def test_single_process_train_step_and_errors():
     torch.manual_seed(0)
     model = MODELS["timm_vit"]().eval()
-    pm = autopipe.parallelize(model, (torch.randn(2, 3, 32, 32),), microbatches=2, loss_fn=_loss)
+    pm = autopipe.parallelize(model, (torch.randn(2, 3, 32, 32),), microbatches=2, loss_fn=_loss, device="cpu")
     x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
     loss = pm.train_step(x, y)
     assert loss.ndim == 0 and torch.isfinite(loss)

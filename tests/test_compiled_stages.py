@@ -9,7 +9,7 @@ from torch.torch_version import TorchVersion
 
 import autopipe
 import tests.test_api as api
-from tests.distributed import run_distributed
+from tests.distributed import cuda_present, run_distributed
 
 
 def _compiled_graphs() -> int:
@@ -61,7 +61,7 @@ def test_compiled_stages_with_recompute_and_eval_match_the_model():
     ref.load_state_dict(model.state_dict())
     before = _compiled_graphs()
     pm = autopipe.parallelize(model, (torch.randn(4, 3, 32, 32),), microbatches=2, loss_fn=api._loss,
-                              activation_checkpointing=True, compile_stages=True)
+                              activation_checkpointing=True, compile_stages=True, device="cpu")
     pm.eval()
     x, y = api._data(0, 1)
     loss = pm.train_step(x, y)
@@ -99,7 +99,8 @@ def test_warm_up_leaves_buffers_gradients_and_random_state_alone():
 def _refused_on_gloo_cuda(rank, world):
     from autopipe.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"compile_stages=True with tp=2 on CUDA needs the NCCL backend, not gloo"):
+    with cuda_present(), \
+            pytest.raises(ConfigError, match=r"compile_stages=True with tp=2 on CUDA needs the NCCL backend, not gloo"):
         autopipe.parallelize(api._build("timm_vit", "sgd"), (torch.randn(2, 3, 32, 32),), tp=2, microbatches=2,
                              loss_fn=api._loss, device="cuda", compile_stages=True)
     return True

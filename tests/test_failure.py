@@ -1,23 +1,32 @@
 """No rank hangs when another fails: the failure is relayed through the store, or a deadline hits.
 
-Unit tests drive FailureMonitor with stand-in works; the distributed ones make a real pipeline
-rank raise or die mid-step and check that every other rank raises PipelineFailure promptly.
+Unit tests drive FailureMonitor with stand-in works; the distributed ones make a real pipeline,
+tensor-parallel or data-parallel rank raise or die mid-step and check that every other rank
+raises PipelineFailure promptly, naming the root cause; a job of plain processes checks how
+failed processes exit.
 """
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 
-from autopipe.errors import PipelineFailure
+import autopipe
+from autopipe.errors import InputError, PipelineFailure
 from autopipe.runtime import PipelineDriver
 from autopipe.runtime.failure import FailureMonitor, failure_key
+from tests import failing_job as job
 from tests.distributed import DistributedTestError, RankError, run_distributed
 from tests.test_driver import Net, batch, boundary_specs, loss_fn, make_stages, postprocess
 
@@ -34,12 +43,13 @@ class Work:
             self.done.set()
 
     def is_completed(self) -> bool:
-        return self.done.is_set()
+        return self.done.is_set() or self.error is not None
 
-    def wait(self) -> bool:
+    def wait(self, timeout: Any = None) -> bool:
         if self.error is not None:  # like a gloo receive whose peer's socket closed
             raise self.error
-        self.done.wait()
+        if not self.done.wait(None if timeout is None else timeout.total_seconds()):
+            raise RuntimeError("Operation timed out!")  # as gloo's collectives say it
         return True
 
 
@@ -112,6 +122,74 @@ def test_a_failed_work_becomes_a_pipeline_failure() -> None:
         a.wait([Work(error=RuntimeError("Connection closed by peer"))], "receive of x from pipeline rank 1")
 
 
+@pytest.mark.parametrize("host", [False, True])
+def test_collective_waits_return_and_raise_the_recorded_failure(host: bool) -> None:
+    a, b = monitors()
+    work = Work()
+    threading.Timer(0.05, work.done.set).start()
+    b.wait_collective([Work(done=True), work], "all-reduce", host=host)
+    threading.Timer(0.3, a.record, [ValueError("bad batch")]).start()
+    start = time.perf_counter()
+    with pytest.raises(PipelineFailure, match="pipeline rank 0 failed: ValueError: bad batch"):
+        b.wait_collective([Work()], "tensor-parallel all-reduce", host=True)
+    assert time.perf_counter() - start < 2.0
+
+
+def test_a_failed_collective_is_typed_and_a_missing_peer_times_out() -> None:
+    (a,) = monitors(1, deadline=0.5)
+    with pytest.raises(PipelineFailure, match=r"^all-reduce over the tp ranks \[0, 1\] failed: Connection closed"):
+        a.wait_collective([Work(error=RuntimeError("Connection closed by peer"))],
+                          "all-reduce over the tp ranks [0, 1]", host=True)
+    (b,) = monitors(1, deadline=0.5)
+    with pytest.raises(PipelineFailure, match=r"^gradient all-reduce timed out after 0.5 s"):
+        b.wait_collective([Work()], "gradient all-reduce", host=True)
+
+
+def test_an_untyped_error_after_another_rank_failed_is_raised_as_that_failure() -> None:
+    a, b = monitors()
+    with pytest.raises(ValueError), a.guard():  # the root cause stays itself on its own rank
+        raise ValueError("bad batch")
+    with pytest.raises(PipelineFailure, match="pipeline rank 0 failed: ValueError: bad batch") as info, b.guard():
+        raise RuntimeError("Connection closed by peer")  # what gloo says once rank 0 exits
+    assert isinstance(info.value.__cause__, RuntimeError)
+    _, d = monitors()
+    with pytest.raises(InputError), d.guard():  # typed errors stay what they are
+        raise InputError("bad shape")
+
+
+def test_arrive_waits_for_every_rank_and_names_those_that_did_not_come() -> None:
+    store = dist.HashStore()
+    a, b, c = (FailureMonitor(r, store, "autopipe/failure/arrive", size=3, deadline=1.0 if r < 2 else 30.0)
+               for r in range(3))
+    threads = [threading.Thread(target=m.arrive, args=("full_state_dict()",)) for m in (b, c)]
+    for t in threads:
+        t.start()
+    a.arrive("full_state_dict()")  # returns once all three came
+    for t in threads:
+        t.join(timeout=10)
+        assert not t.is_alive()
+    # The next call: rank 1 calls full_state_dict(), rank 2 save_checkpoint(), rank 0 nothing.
+    errors: list[BaseException] = []
+
+    def other() -> None:
+        try:
+            c.arrive("save_checkpoint()")
+        except PipelineFailure as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    start = time.perf_counter()
+    with pytest.raises(PipelineFailure, match=r"^full_state_dict\(\) is collective, and ranks 0, 2 did not call "
+                                              r"it within 1 s \(rank 2 called save_checkpoint\(\) instead\)"):
+        b.arrive("full_state_dict()")
+    thread.join(timeout=10)
+    # Rank 2 (a deadline of 30 s) learns of rank 1's failure at once.
+    assert time.perf_counter() - start < 5
+    assert [str(e).split(" (")[0] for e in errors] == [
+        "pipeline rank 1 failed: PipelineFailure: full_state_dict() is collective, and ranks 0, 2 did not call it "
+        "within 1 s"]
+
 # -- real pipelines --------------------------------------------------------------------------
 
 
@@ -175,6 +253,74 @@ def test_a_dead_rank_fails_the_others_within_the_deadline() -> None:
     for rank in (0, 1, 3):
         r = results[rank]
         assert isinstance(r, RankError) and r.exc_type == "autopipe.errors.PipelineFailure", str(r)
+
+
+# -- tensor- and data-parallel ranks, and how failed processes exit --------------------------
+
+
+def failing_model(rank: int, world: int, pp: int, tp: int, culprit: int, die: bool, deadline: float) -> tuple:
+    """parallelize()'s model, whose ``culprit`` fails in its second step; what each rank raised
+    and how long after the start of its failing step."""
+    torch.manual_seed(0)
+    pm = autopipe.parallelize(job.mlp(), (torch.randn(2, job.IN),), pp=pp, tp=tp, microbatches=2,
+                              loss_fn=F.cross_entropy, device="cpu", deadline=deadline)
+    if rank == culprit:
+        job.fail_at(pm, 3, die=die)  # the first forward of the second step (2 micro-batches a step)
+    started = [0.0]
+    try:
+        job.train(pm, 3, lambda step: started.__setitem__(0, time.perf_counter()))
+    except Exception as exc:  # noqa: BLE001 - returned for the test to look at
+        return type(exc).__name__, str(exc), time.perf_counter() - started[0]
+    return "finished", "", 0.0
+
+
+@pytest.mark.parametrize("pp,tp,culprit,name", [
+    (2, 2, 1, "rank 1 (pp 0, dp 0, tp 1)"),  # its tp peer sits in a tensor-parallel all-reduce
+    (2, 1, 3, "rank 3 (pp 1, dp 1, tp 0)"),  # the other replica sits in the dp gradient all-reduce
+])
+def test_a_failing_tensor_or_data_parallel_rank_fails_every_rank(pp: int, tp: int, culprit: int, name: str) -> None:
+    results = run_distributed(failing_model, 4, pp, tp, culprit, False, 60.0, timeout=150)
+    for rank, (kind, message, took) in enumerate(results):
+        if rank == culprit:
+            assert (kind, message) == ("ValueError", "bad batch")
+        else:
+            assert (kind, message) == ("PipelineFailure", f"{name} failed: ValueError: bad batch"), rank
+        assert took < 30, f"rank {rank} took {took:.1f} s: relayed through the store, not by the 60 s deadline"
+
+
+def test_a_dead_tensor_parallel_rank_fails_the_others() -> None:
+    results = run_distributed(failing_model, 4, 2, 2, 1, True, 60.0, timeout=150, return_exceptions=True)
+    assert isinstance(results[1], RankError) and results[1].exitcode == 3
+    for rank in (0, 2, 3):  # the first to lose its connection to rank 1 tells the others
+        kind, message, took = results[rank]
+        assert kind == "PipelineFailure" and re.search("Connection (closed|reset) by peer", message), message
+        assert took < 30, f"rank {rank} took {took:.1f} s"
+
+
+def test_failed_processes_exit_with_a_python_error_code() -> None:
+    # Plain processes as torchrun starts them (the store held by the launcher, as its agent
+    # does); see tests/failing_job.py for the race it sets up.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    root = Path(__file__).resolve().parent.parent
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), RANK=str(rank),
+                   WORLD_SIZE="2", LOCAL_RANK=str(rank), TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS="1",
+                   CUDA_VISIBLE_DEVICES="", PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+        procs.append(subprocess.Popen([sys.executable, "-m", "tests.failing_job"], cwd=root, env=env,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    errs = []
+    for p in procs:
+        try:
+            errs.append(p.communicate(timeout=150)[1])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("the failed job did not exit within 150 s")
+    for rank, (p, err) in enumerate(zip(procs, errs)):
+        assert "terminate called" not in err and p.returncode == 1, f"rank {rank} exited {p.returncode}:\n{err[-3000:]}"
+    assert "ValueError: bad batch" in errs[1]
+    assert "PipelineFailure: rank 1 (pp 1, dp 0, tp 0) failed: ValueError: bad batch" in errs[0]
 
 
 # -- the harness itself ----------------------------------------------------------------------

@@ -7,7 +7,9 @@ models run in eval mode (no dropout), so a resumed run must repeat the uninterru
 """
 from __future__ import annotations
 
+import math
 import os
+import warnings
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 
 import autopipe
 from autopipe.errors import CheckpointError, InputError
+from tests import failing_job as job
 from tests.distributed import run_distributed
 from tests.models import ADAMW_MODELS, MODELS, logits
 
@@ -139,7 +142,7 @@ def test_checkpoint_resume_equals_uninterrupted_run_and_survives_failed_saves(tm
 def _single(seed=0, model=None):
     torch.manual_seed(seed)
     model = MODELS["timm_vit"]().eval() if model is None else model
-    return autopipe.parallelize(model, _example(), microbatches=2, loss_fn=_loss).eval()
+    return autopipe.parallelize(model, _example(), microbatches=2, loss_fn=_loss, device="cpu").eval()
 
 
 def test_checkpoint_errors_are_typed_and_a_crash_before_commit_keeps_the_last_one(tmp_path, monkeypatch):
@@ -197,7 +200,7 @@ def test_checkpoint_errors_are_typed_and_a_crash_before_commit_keeps_the_last_on
 def test_checkpoint_restores_the_fp16_loss_scale_and_extra(tmp_path):
     torch.manual_seed(0)
     pm = autopipe.parallelize(MODELS["timm_vit"]().eval(), _example(), microbatches=2, loss_fn=_loss,
-                              mixed_precision="fp16")
+                              mixed_precision="fp16", device="cpu")
     opt = torch.optim.SGD(pm.parameters(), lr=0.1)
     x, y = _data(0, 4)
     for i in range(2):
@@ -209,7 +212,7 @@ def test_checkpoint_restores_the_fp16_loss_scale_and_extra(tmp_path):
     state = {"step": 2, "rng": torch.get_rng_state(), "lr": [0.1, 0.01]}
     pm.save_checkpoint(tmp_path, opt, extra=state)
     fresh = autopipe.parallelize(MODELS["timm_vit"]().eval(), _example(), microbatches=2, loss_fn=_loss,
-                                 mixed_precision="fp16")
+                                 mixed_precision="fp16", device="cpu")
     fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.5)
     extra = fresh.load_checkpoint(tmp_path, fresh_opt)
     assert extra["step"] == 2 and extra["lr"] == [0.1, 0.01] and torch.equal(extra["rng"], state["rng"])
@@ -257,6 +260,48 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank():
     assert steps[0][0] == pytest.approx(_loss(ref(x), y).item(), rel=1e-2)
     assert steps[2][0] == steps[3][0]
 
+
+
+# ----------------------------------------------------------------------------- non-finite gradients
+def _nonfinite(rank, world):
+    torch.manual_seed(0)
+    pm = autopipe.parallelize(job.mlp(), (torch.randn(2, job.IN),), pp=2, tp=2, microbatches=2,
+                              loss_fn=F.cross_entropy, device="cpu")
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+    x, y = job.batch(4)
+    steps = []
+    for inject, max_norm in ((False, None), (True, None), (True, 1.0), (False, 1.0)):
+        before = [p.detach().clone() for p in pm.parameters()]
+        opt.zero_grad()
+        pm.train_step(x, y)
+        if inject and rank == 3:  # one NaN in one rank's gradients
+            next(p for p in pm.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = pm.step(opt, max_norm=max_norm)
+        changed = any(not torch.equal(b, p) for b, p in zip(before, pm.parameters()))
+        steps.append((result.skipped, math.isfinite(result.grad_norm), changed,
+                      [str(w.message).split(":")[0] for w in caught]))
+    return steps
+
+
+def test_a_nonfinite_gradient_norm_skips_the_step_on_every_rank_and_says_so():
+    results = run_distributed(_nonfinite, 4, timeout=120)
+    skip = ["ParallelModel.step skipped the update"]
+    assert results[0] == [(False, True, True, []), (True, False, False, skip), (True, False, False, skip),
+                          (False, True, True, [])]
+    assert all(r == [tuple(s[:3]) + ([],) for s in results[0]] for r in results[1:])  # rank 0 warns
+
+
+def test_skip_nonfinite_false_applies_the_update_as_torch_would():
+    pm = _single()
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+    x, y = _data(0, 4)
+    x[0, 0, 0, 0] = float("nan")  # one NaN pixel
+    pm.train_step(x, y)
+    result = pm.step(opt, skip_nonfinite=False)
+    assert not result.skipped and result.grad_norm is None
+    assert all(torch.isnan(p).any() for p in pm.parameters() if p.grad is not None)
 
 # ----------------------------------------------------------------------------- accumulation
 def _accumulate(rank, world):
@@ -403,7 +448,7 @@ def test_activation_checkpointing_updates_batchnorm_statistics_once_per_micro_ba
         model = MODELS["tv_resnet"]()
         pm = autopipe.parallelize(model, (torch.randn(2, 3, 32, 32),), microbatches=4, chunks=2,
                                   schedule="gpipe", loss_fn=F.cross_entropy, activation_checkpointing=recompute,
-                                  batchnorm="microbatch")
+                                  batchnorm="microbatch", device="cpu")
         pm.train()
         g = torch.Generator().manual_seed(1)
         pm.train_step(torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g))

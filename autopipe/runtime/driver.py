@@ -50,7 +50,8 @@ class PipelineDriver:
     every step. With pp = 1 all stages are local and tensors are handed over in memory.
     ``links`` gives each directed link between pipeline ranks its process group (from
     :func:`~autopipe.runtime.p2p.link_groups`; built here when ``pp_group`` spans the world).
-    ``store``/``deadline`` tune failure propagation (see [Note: failure propagation]).
+    ``store``/``deadline`` tune failure propagation (see [Note: failure propagation]);
+    ``monitor`` replaces the driver's own (a ParallelModel shares one over its whole mesh).
     ``warm_up_stages`` runs each local stage once before the first step of each mode, so that
     compiled stages compile on every rank at once (see [Note: stage warm-up]).
     ``variants(size)`` gives the stages and boundary specs for micro-batches of another size
@@ -82,6 +83,7 @@ class PipelineDriver:
         links: dict[Link, dist.ProcessGroup] | None = None,
         variants: Callable[[int], Shapes] | None = None,
         split: str = "equal",
+        monitor: FailureMonitor | None = None,
     ) -> None:
         validate(schedule, pp, microbatches, chunks)
         if split not in SPLITS:
@@ -105,7 +107,7 @@ class PipelineDriver:
         self.p2p = P2P(pp_group, links if links is not None else _own_links(pp_group)) if pp > 1 else None
         self.pool = BufferPool(self.device)
         # CPU tensors travel over gloo, whose p2p works finish only inside wait().
-        self.monitor = FailureMonitor(
+        self.monitor = monitor if monitor is not None else FailureMonitor(
             pp_rank,
             (store if store is not None else _get_default_store()) if pp > 1 else None,
             failure_key(pp_group) if pp > 1 else "",
@@ -130,7 +132,7 @@ class PipelineDriver:
             # p2p call) and proves that every rank built its driver.
             with self.monitor.guard():
                 work = dist.all_reduce(torch.zeros(1, device=self.device), group=pp_group, async_op=True)
-                self.monitor.wait([work], "start-up all-reduce of the pipeline group")
+                self._wait_collective(work, "start-up all-reduce of the pipeline group")
                 self.p2p.connect(self._links_used(), self.device, self.monitor.wait)
 
     def train(self, mode: bool = True) -> PipelineDriver:
@@ -443,8 +445,14 @@ class PipelineDriver:
             loss = torch.empty((), dtype=torch.float32, device=self.device)
         if self.pp > 1:
             work = dist.broadcast(loss, src=self._last_global, group=self.group, async_op=True)
-            self.monitor.wait([work], f"broadcast of the loss from pipeline rank {self._last % self.pp}")
+            self._wait_collective(work, f"broadcast of the loss from pipeline rank {self._last % self.pp}")
         return loss
+
+    def _wait_collective(self, work: dist.Work, what: str) -> None:
+        if self.device.type == "cpu":  # gloo: see [Note: collective waits]
+            self.monitor.wait_collective([work], what, host=True)
+        else:  # polled on the host: see [Note: stream-side waits]
+            self.monitor.wait([work], what)
 
     def _collect(self) -> Any:
         if self._last not in self.stages:

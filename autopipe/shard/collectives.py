@@ -14,8 +14,10 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch._subclasses.fake_tensor import is_fake
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..errors import ConfigError
+from ..runtime.failure import FailureMonitor, active
 
 __all__ = [
     "COLLECTIVES",
@@ -72,10 +74,33 @@ def resolve_group(name: str | None) -> TPGroup | None:
 # torch.compile traces a tensor-parallel stage as one graph, custom backwards included, and
 # inductor may move the waits past independent work. Eagerly, ``wait_tensor`` makes the
 # current CUDA stream wait (NCCL) or blocks until done (gloo), as ``async_op=False`` would.
+# Eagerly on gloo, where waits block the host, they go through the step's failure monitor
+# instead (see [Note: collective waits] in runtime/failure.py).
 _C10D = torch.ops._c10d_functional
+_PROCESS_GROUPS: dict[str, tuple[dist.ProcessGroup, str]] = {}
+
+
+def _watched(group: TPGroup) -> tuple[FailureMonitor, dist.ProcessGroup, str] | None:
+    """The active monitor, the process group and its description, for an eager gloo collective."""
+    if not group.gloo or torch.compiler.is_compiling():
+        return None
+    monitor = active()
+    if monitor is None:
+        return None
+    if group.name not in _PROCESS_GROUPS:
+        pg = _resolve_process_group(group.name)
+        _PROCESS_GROUPS[group.name] = (pg, f"over the tp ranks {dist.get_process_group_ranks(pg)}")
+    return (monitor, *_PROCESS_GROUPS[group.name])
 
 
 def _all_reduce(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
+    watched = _watched(group)
+    if watched is not None:
+        monitor, pg, where = watched
+        out = x.clone(memory_format=torch.contiguous_format)
+        monitor.wait_collective([dist.all_reduce(out, group=pg, async_op=True)],
+                                f"tensor-parallel all-reduce {where}", host=True)
+        return out
     return _C10D.wait_tensor(_C10D.all_reduce(x.contiguous(), "sum", group.name))
 
 
@@ -84,7 +109,15 @@ def _gather(x: torch.Tensor, dim: int, group: TPGroup) -> torch.Tensor:
         return _all_reduce(torch.cat([x if i == group.rank else torch.zeros_like(x)
                                       for i in range(group.size)], dim=dim), group)
     # Gathered along dim 0 (contiguous chunks, no copies), then laid out along ``dim``.
-    out = _C10D.wait_tensor(_C10D.all_gather_into_tensor(x.contiguous(), group.size, group.name))
+    watched = _watched(group)
+    if watched is not None:
+        monitor, pg, where = watched
+        x = x.contiguous()
+        out = x.new_empty((group.size * x.shape[0], *x.shape[1:]))
+        monitor.wait_collective([dist.all_gather_into_tensor(out, x, group=pg, async_op=True)],
+                                f"tensor-parallel all-gather {where}", host=True)
+    else:
+        out = _C10D.wait_tensor(_C10D.all_gather_into_tensor(x.contiguous(), group.size, group.name))
     return out if dim == 0 else torch.cat(out.chunk(group.size, dim=0), dim=dim)
 
 
@@ -287,4 +320,5 @@ def reduce_sequence_parallel_grads(named_parameters: Any, plan: Any, group: Any)
     wanted = set(getattr(plan, "sequence_parallel_params", ()))
     if not wanted or group is None or dist.get_world_size(group) == 1:
         return
-    sum_gradients([p for name, p in named_parameters if name in wanted], group)
+    sum_gradients([p for name, p in named_parameters if name in wanted], group,
+                  what="sequence-parallel gradient all-reduce over the tp ranks")

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import CheckpointError
+from ..runtime.failure import wait_works
 from .plan import ParamShard, ShardPlan, SplitFn
 
 __all__ = ["shard_tensor", "merge_shards", "shard_state_dict", "gather_full_state_dict"]
@@ -62,7 +63,8 @@ def shard_state_dict(full_sd: Mapping[str, torch.Tensor], shard_plan: ShardPlan,
 def gather_full_state_dict(sharded_gm: nn.Module, shard_plan: ShardPlan, group: Any = None) -> dict[str, torch.Tensor]:
     """The full state_dict (original names and shapes) on every rank of the tp ``group``.
 
-    Collective: every tp rank must call it. Replicated tensors are taken from this rank.
+    Collective: every tp rank must call it (its waits watch for failed ranks inside a step of a
+    ParallelModel). Replicated tensors are taken from this rank.
     """
     out = {}
     for name, local in sharded_gm.state_dict().items():
@@ -73,6 +75,7 @@ def gather_full_state_dict(sharded_gm: nn.Module, shard_plan: ShardPlan, group: 
         if group is None and not dist.is_initialized():
             raise CheckpointError(f"'{name}' is split over tp={shard_plan.tp} ranks; gathering it needs a process group")
         parts = [torch.empty_like(local) for _ in range(shard_plan.tp)]
-        dist.all_gather(parts, local.detach().contiguous(), group=group)
+        work = dist.all_gather(parts, local.detach().contiguous(), group=group, async_op=True)
+        wait_works([work], f"all-gather of '{name}' over the tp ranks", group, local.device)
         out[name] = merge_shards(parts, ps, shard_plan.custom_splits.get(name))
     return out
