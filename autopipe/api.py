@@ -180,7 +180,9 @@ def parallelize(
         sequence_parallel=sequence_parallel, leaf_modules=leaf_modules, exec_sequence=exec_sequence,
         mixed_precision=mixed_precision, activation_checkpointing=activation_checkpointing,
         device=None if device is None else torch.device(device).type, profile=profile, cuda_graphs=cuda_graphs,
-        split_mlps=split_mlps, compile_stages=compile_stages,
+        split_mlps=split_mlps, compile_stages=compile_stages, batchnorm=batchnorm, batch_split=batch_split,
+        costs=costs if isinstance(costs, str) else os.fspath(costs) if isinstance(costs, os.PathLike) else
+        getattr(costs, "fingerprint", type(costs).__name__),
     ), deadline=deadline)
     if cuda_graphs and tp > 1:
         raise ConfigError(f"cuda_graphs=True with tp={tp}: stages holding tensor-parallel collectives are "
