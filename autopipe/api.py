@@ -97,7 +97,7 @@ def parallelize(
     model: nn.Module,
     example_inputs: Sequence[torch.Tensor],
     *,
-    pp: int = 1,
+    pp: int | str = 1,
     tp: int = 1,
     microbatches: int = 1,
     schedule: str | None = None,
@@ -121,6 +121,7 @@ def parallelize(
     costs: str | os.PathLike | MeasuredCosts = "analytic",
     measure: MeasureOptions | None = None,
     batch_split: str = "equal",
+    batch: int | None = None,
 ) -> ParallelModel:
     """Parallelize ``model`` over the processes torchrun started; returns a :class:`ParallelModel`.
 
@@ -152,6 +153,11 @@ def parallelize(
     made by ``autopipe profile`` (a path or a MeasuredCosts; see [Note: measured costs]).
     ``measure`` tunes the measuring (autopipe.measure.MeasureOptions: segments, repetitions, the
     max/mean target of the closed loop, the cache).
+    ``pp="auto"`` chooses pp, tp, dp, micro-batches, chunks, schedule, sequence parallelism,
+    activation checkpointing and CUDA graphs / compiled stages for ``batch`` samples per step
+    over all replicas (each rank's train_step then takes ``batch // dp`` of them); the arguments
+    it chooses are ignored, ``example_inputs`` give the other dimensions, and ``pm.search`` holds
+    the ranked layouts and why the others were refused (``print(pm.search)``).
 
     Batches may hold any number of samples: stage boundary shapes follow from the batch (see
     [Note: stage variants]). ``batch_split="equal"`` requires a training batch that splits into
@@ -165,10 +171,24 @@ def parallelize(
     rank that fails, dies or does not come makes the others raise instead of hanging (see
     [Note: failure propagation]).
     """
-    # 1. The same arguments on every rank, then local checks: every rank raises the same error
-    #    before any collective.
+    # 0. pp="auto": the layout search chooses the degrees and how to run; see [Note: layout search].
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
+    search = None
+    if pp == "auto":
+        search, chosen, example_inputs = _choose_layout(
+            model, tuple(example_inputs), batch=batch, device=device, profile=profile, costs=costs,
+            mixed_precision=mixed_precision, deadline=deadline)
+        pp, tp, microbatches, chunks = chosen.pp, chosen.tp, chosen.microbatches, chosen.chunks
+        schedule, sequence_parallel = chosen.schedule, chosen.sequence_parallel
+        activation_checkpointing = chosen.recompute
+        cuda_graphs, compile_stages = chosen.mode.endswith("graphs"), chosen.mode.startswith("compiled")
+    elif batch is not None:
+        raise ConfigError(f"batch={batch!r} is for pp='auto' (the global batch the layout is chosen for); with "
+                          "pp given, example_inputs are one micro-batch")
+
+    # 1. The same arguments on every rank, then local checks: every rank raises the same error
+    #    before any collective.
     leaf_modules = tuple(leaf_modules)  # read again by re-traces at other batch sizes
     schedule = schedule or ("interleaved_1f1b" if chunks > 1 else "1f1b")
     if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not 0 < deadline < math.inf:
@@ -285,4 +305,33 @@ def parallelize(
         deadline=deadline, record_timeline=record_timeline, cuda_graphs=cuda_graphs,
         compile_stages=compile_stages, batchnorm=norms, retrace=retrace, batch_split=batch_split, monitor=monitor,
     )
-    return ParallelModel(model, runtime, shard_plan=shard_plan, fp16=mixed_precision == "fp16")
+    pm = ParallelModel(model, runtime, shard_plan=shard_plan, fp16=mixed_precision == "fp16")
+    pm.search = search
+    return pm
+
+
+def _choose_layout(model: nn.Module, example_inputs: tuple, *, batch: Any, device: Any, profile: str | None,
+                   costs: Any, mixed_precision: str | None, deadline: float) -> tuple[Any, Any, tuple]:
+    """The search's best layout for this world, the same on every rank (rank 0 searches), and one
+    micro-batch of the example inputs at its size."""
+    from .measure.profile import on_rank0
+    from .search import plan_layout
+
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ConfigError(f"pp='auto' needs batch=, the global batch per step over every replica, got {batch!r}")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    device = _device(device)
+    name = profile or ("h100" if device.type == "cuda" else "cpu")
+    memory = torch.cuda.get_device_properties(device).total_memory * 0.9 if device.type == "cuda" else None
+    measured = None
+    if isinstance(costs, MeasuredCosts) or (isinstance(costs, (str, os.PathLike)) and costs not in ("analytic", "measured")):
+        measured = costs if isinstance(costs, MeasuredCosts) else MeasuredCosts.load(costs)
+    sample = tuple(x[:1] for x in example_inputs)
+    result = on_rank0(lambda: plan_layout(model, devices=world, batch=batch, device=name, memory=memory,
+                                          measured=measured, example_inputs=sample, mixed_precision=mixed_precision,
+                                          timeline=False))
+    best = result.best.layout
+    size = best.microbatch_size(batch)
+    inputs = tuple(x[:1].expand(size, *x.shape[1:]).contiguous() if x.shape[0] < size else x[:size]
+                   for x in example_inputs)
+    return result, best, inputs

@@ -8,6 +8,7 @@ Errors that are the user's to fix (every :class:`AutopipeError`) print one messa
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from typing import Any, Sequence
@@ -66,7 +67,89 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--json", metavar="PATH", help="write the plan as JSON")
     report.add_argument("--figure", metavar="PATH", help="draw the plan (.png, .svg or .pdf)")
     _add_profile_parser(sub)
+    _add_plan_parser(sub)
+    links = sub.add_parser("links", help="measure the links between this machine's devices (under torchrun)",
+                           description="Time point-to-point transfers and all-reduces between the processes "
+                                       "torchrun started and write the link model for `autopipe plan --links`.",
+                           epilog="example:\n  torchrun --nproc-per-node 8 -m autopipe links --out links.json",
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    links.add_argument("--out", metavar="PATH", required=True, help="where to write the link model (JSON)")
     return parser
+
+
+def _add_plan_parser(sub: Any) -> None:
+    plan = sub.add_parser(
+        "plan",
+        help="choose pp, tp, dp, micro-batches, chunks, schedule and mode for a model",
+        description="Weigh every layout of MODEL on --gpus devices for a global --batch, predict each one's "
+                    "step time and memory per device, and rank them.",
+        epilog="example:\n  autopipe plan timm:vit_large_patch16_224 --gpus 8 --device h100 --batch 256 --memory 80",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    plan.add_argument("model", metavar="MODEL", help="timm:NAME, torchvision:NAME, hf:CLASS or package.module:factory")
+    plan.add_argument("--gpus", type=int, required=True, help="devices to run on (the world size)")
+    plan.add_argument("--batch", type=int, required=True, help="global batch size")
+    plan.add_argument("--device", default="h100", help=f"device profile: {', '.join(PROFILES)} (default h100)")
+    plan.add_argument("--memory", type=float, default=None, metavar="GiB", help="memory budget per device")
+    plan.add_argument("--profile", metavar="FILE", action="append", default=[],
+                      help="a measured profile (autopipe profile); repeat for several micro-batch sizes")
+    plan.add_argument("--links", metavar="FILE", help="a link model measured by `autopipe links`")
+    plan.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="bf16",
+                      help="mixed precision the stages run in (default bf16)")
+    plan.add_argument("--image-size", type=int, default=None, help="input height and width (default: the model's)")
+    plan.add_argument("--top", type=int, default=12, help="layouts to list (default 12)")
+    plan.add_argument("--json", metavar="PATH", help="write every prediction and refusal as JSON")
+    plan.add_argument("--figure", metavar="PATH", help="draw the top layouts and the chosen one's timeline")
+
+
+def _plan(args: argparse.Namespace) -> None:
+    from .search import LinkModel, plan_layout
+    from .search.report import format_search, plot_search
+
+    for path in (args.json, args.figure):
+        if path:
+            _check_writable(path)
+    measured = {}
+    for path in args.profile:
+        m = MeasuredCosts.load(path)
+        measured[m.input_shapes[0][0]] = m
+    result = plan_layout(args.model, devices=args.gpus, batch=args.batch, device=args.device,
+                         memory=None if args.memory is None else args.memory * 2**30,
+                         links=LinkModel.load(args.links) if args.links else None, measured=measured or None,
+                         image_size=args.image_size, mixed_precision=None if args.precision == "fp32" else args.precision)
+    print(format_search(result, top=args.top))
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(json.dumps(result.to_dict(), indent=1))
+        print(f"search written to {args.json}")
+    if args.figure:
+        plot_search(result, args.figure)
+        print(f"figure written to {args.figure}")
+
+
+def _links(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from .search import measure_links
+
+    _check_writable(args.out)
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            raise ConfigError("autopipe links measures between processes: launch it with "
+                              "`torchrun --nproc-per-node N -m autopipe links --out FILE`")
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else \
+        torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    model = measure_links(device)
+    if dist.get_rank() == 0:
+        model.save(args.out)
+        print(f"p2p {model.p2p_bandwidth / 1e9:.2f} GB/s + {model.p2p_latency * 1e6:.1f} us, collectives "
+              f"{model.collective_bandwidth / 1e9:.2f} GB/s + {model.collective_latency * 1e6:.1f} us ({model.source}); "
+              f"written to {args.out}")
+    dist.destroy_process_group()
 
 
 def _add_profile_parser(sub: Any) -> None:
@@ -174,6 +257,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             _report(args)
         elif args.command == "profile":
             _profile(args)
+        elif args.command == "plan":
+            _plan(args)
+        elif args.command == "links":
+            _links(args)
     except AutopipeError as exc:
         print(f"autopipe: error: {exc}", file=sys.stderr)
         return _EXIT_USER_ERROR

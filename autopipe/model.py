@@ -207,6 +207,7 @@ class ParallelModel:
     """A model split over a (pp, dp, tp) mesh. See ``autopipe.parallelize``."""
 
     def __init__(self, model: nn.Module, runtime: StageRuntime, *, shard_plan: Any = None, fp16: bool = False):
+        self.search: Any = None  # the layout search, when parallelize(pp="auto") chose the layout
         self._model = model
         self._runtime = runtime
         self._shard_plan = shard_plan

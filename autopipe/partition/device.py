@@ -72,7 +72,11 @@ class DeviceProfile:
         if self.calibration is None:
             return roofline + self.op_overhead
         gpu = self.calibration.gpu_time(roofline, c, backward=backward)
-        return max(gpu, self.calibration.host[int(backward)]) if self.mode == "eager" else gpu
+        host = self.calibration.host[int(backward)]
+        if self.mode.startswith("compiled") and c.kind not in MATMUL_KINDS:
+            # See [Note: compiled pricing]: the memory-bound kernels between GEMMs fuse.
+            gpu, host = gpu * COMPILED_FUSION, host * COMPILED_FUSION
+        return max(gpu, host) if self.mode in ("eager", "compiled") else gpu
 
     def with_mode(self, mode: str) -> DeviceProfile:
         """This profile for stages run in ``mode`` (one of EXECUTION_MODES)."""
@@ -115,6 +119,17 @@ PROFILES: dict[str, DeviceProfile] = {
                           link_bandwidth=300e9, link_latency=10e-6, op_overhead=5e-6,
                           calibration=load_calibration("h200")),
 }
+
+
+# [Note: compiled pricing]
+# torch.compile fuses the norms, activations, adds and casts between the GEMMs into fewer,
+# larger kernels; the calibration tables were fitted on unfused kernels. Compiled stages are
+# priced as their unfused kernels with the memory-bound ones at COMPILED_FUSION of their time
+# and launches, GEMMs and attention as they are. This is an assumption, not a fit: on one
+# H100, ViT-L's kernel time per step went from 317 to 261 ms compiled (-18%;
+# benchmarks/microbatch_efficiency.py, 2026-11-25), which is what halving the memory-bound
+# third of its time gives. A profile measured in a compiled mode replaces it.
+COMPILED_FUSION = 0.5
 
 
 def execution_mode(*, cuda_graphs: bool = False, compile_stages: bool = False) -> str:

@@ -19,7 +19,8 @@ from autopipe.graph import owning_module
 from autopipe.partition.cost import NodeCost, graph_costs, training_state_bytes
 from autopipe.partition.device import DeviceProfile
 from autopipe.partition.measured import MeasuredCosts
-from autopipe.partition.partitioner import cut_candidates, cut_dag, tp_collective_seconds
+from autopipe.partition.partitioner import cut_candidates, cut_dag
+from autopipe.shard.plan import ShardPlan
 from autopipe.tracer import TracedModel
 
 __all__ = ["GraphCosts", "scaled"]
@@ -44,30 +45,41 @@ def scaled(cost: NodeCost, ratio: float) -> NodeCost:
 
 
 class GraphCosts:
-    """One traced (and possibly tp-sharded) graph, priced per node at any micro-batch size.
+    """One traced graph, as one tensor-parallel rank runs it, priced per node at any micro-batch
+    size. Arrays follow the graph's node order (placeholders first, the output node left out).
 
-    Arrays follow the graph's node order (placeholders first, the output node left out).
+    With a shard plan the graph is the unsharded one and the plan says what each tp rank does
+    of it (see [Note: sharded costs from the plan]); without, the graph is run whole.
     """
 
-    def __init__(self, traced: TracedModel, reference_size: int, *, tp: int = 1,
+    def __init__(self, traced: TracedModel, reference_size: int, *, shard_plan: ShardPlan | None = None,
+                 base_costs: Mapping[str, NodeCost] | None = None,
                  measured: Mapping[int, MeasuredCosts] | None = None) -> None:
-        self.traced, self.reference_size, self.tp = traced, reference_size, tp
+        self.traced, self.reference_size = traced, reference_size
+        self.tp = shard_plan.tp if shard_plan is not None else 1
         nodes = [n for n in traced.gm.graph.nodes if n.op != "output"]
         self.order = [n.name for n in nodes]
-        all_costs = graph_costs(traced.gm)
+        unsharded = dict(base_costs) if base_costs is not None else graph_costs(traced.gm)
+        all_costs = _sharded(unsharded, shard_plan) if shard_plan is not None else unsharded
         self.costs = [all_costs[n] for n in self.order]
+        self.unsharded = [unsharded[n] for n in self.order]  # what a measured profile timed
         self.allowed = np.array(cut_candidates(traced), dtype=bool)
-        by_name = dict(zip(self.order, self.costs))
-        dag = cut_dag(traced, by_name, None)
+        dag = cut_dag(traced, all_costs, None)
         self.cut_bytes_ref = np.asarray(dag.cut_bytes[: len(self.order) - 1], dtype=float)  # traced dtype
         self.param_bytes = np.array([c.param_bytes for c in self.costs], dtype=float)
         self.param_count = np.array([c.param_count for c in self.costs], dtype=float)
         self.saved_ref = np.array([c.saved_bytes for c in self.costs], dtype=float)
         self.state_bytes = np.array([training_state_bytes(c.param_bytes) if c.param_count else 0
                                      for c in self.costs], dtype=float)
-        self.collective_nodes = [i for i, n in enumerate(nodes) if tp_collective_seconds(n, self.costs[i], max(tp, 2),
-                                                                                         _UNIT_LINK) > 0]
-        self._nodes = nodes
+        # Per node: bytes its tensor-parallel collectives move per rank, and how many there are.
+        self.moved_ref, self.calls = np.zeros(len(nodes)), np.zeros(len(nodes))
+        position = {n: i for i, n in enumerate(self.order)}
+        for c in shard_plan.collectives if shard_plan is not None else ():
+            i = position.get(c.src)
+            if i is not None:
+                share = 2 * (self.tp - 1) / self.tp if c.kind in _ALL_REDUCES else (self.tp - 1) / self.tp
+                self.moved_ref[i] += share * (c.fwd_bytes + c.bwd_bytes)
+                self.calls[i] += (c.fwd_bytes > 0) + (c.bwd_bytes > 0)
         self.measured = dict(measured or {})
         self.modules = [owning_module(n) for n in nodes]
         self._times: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
@@ -98,31 +110,48 @@ class GraphCosts:
 
     def _from_measured(self, measured: MeasuredCosts, size: int, profile: DeviceProfile,
                        fwd: np.ndarray, bwd: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Measured node times, split into forward and backward as measured (or as modelled),
-        scaled by the model's ratio when the profile was made at another size."""
+        """Measured node times (profiled unsharded, at the profile's size), split into forward and
+        backward as measured, scaled by what the model says this rank does at ``size`` over what
+        the profile timed."""
         own = measured.input_shapes[0][0] if measured.input_shapes and measured.input_shapes[0] else size
-        base_f, base_b = (fwd, bwd) if own == size else self.node_times(own, profile)
+        ratio_batch = own / self.reference_size
         out_f, out_b = fwd.copy(), bwd.copy()
         for i, name in enumerate(self.order):
             seconds = measured.node_seconds.get(name)
             if seconds is None:
                 continue
+            timed = scaled(self.unsharded[i], ratio_batch)
+            base = profile.node_time(timed) + profile.node_time(timed, backward=True)
             detail = measured.node_detail.get(name)
             share = detail[0] / (detail[0] + detail[1]) if detail and detail[0] + detail[1] > 0 else \
-                base_f[i] / (base_f[i] + base_b[i]) if base_f[i] + base_b[i] > 0 else 0.5
-            ratio = (fwd[i] + bwd[i]) / (base_f[i] + base_b[i]) if base_f[i] + base_b[i] > 0 else size / own
+                fwd[i] / (fwd[i] + bwd[i]) if fwd[i] + bwd[i] > 0 else 0.5
+            ratio = (fwd[i] + bwd[i]) / base if base > 0 else size / own / self.tp
             out_f[i], out_b[i] = seconds * share * ratio, seconds * (1 - share) * ratio
         return out_f, out_b
 
-    def collective_bytes(self, size: int) -> np.ndarray:
-        """Per node, bytes its tensor-parallel collective moves per micro-batch (0 elsewhere), as
-        ``tp_collective_seconds`` counts them, at ``size`` samples."""
-        out = np.zeros(len(self.costs))
-        ratio = size / self.reference_size
-        for i in self.collective_nodes:
-            out[i] = tp_collective_seconds(self._nodes[i], self.costs[i], self.tp, _UNIT_LINK) * ratio
-        return out
+
+# [Note: sharded costs from the plan]
+# Rewriting the graph for every tensor-parallel degree (apply_sharding, with its shape
+# propagation) takes seconds a model; the shard plan alone says what each rank runs: a node
+# that is split (column, row, heads, channels, or an op on a split tensor, a sequence-parallel
+# region's included) does 1/tp of the node's work, holds 1/tp of its parameters and sends
+# 1/tp of its output; a row-parallel layer's output is whole (the partial sums the all-reduce
+# adds). The plan's collectives move their payload (a ring all-reduce 2 (tp-1)/tp of it, a
+# gather or scatter (tp-1)/tp) after the node they follow. parallelize() plans the rewritten
+# graph itself; the search only needs to rank.
+_ALL_REDUCES = frozenset({"copy_to_tp", "reduce_from_tp"})
 
 
-# A link of 1 B/s and no latency: tp_collective_seconds then returns bytes moved.
-_UNIT_LINK = DeviceProfile("unit", 1.0, 1.0, 1.0, 1.0, 0.0, 0.0)
+def _sharded(costs: Mapping[str, NodeCost], plan: ShardPlan) -> dict[str, NodeCost]:
+    out = dict(costs)
+    tp = plan.tp
+    for name, shard in plan.nodes.items():
+        if name not in out or shard.sharding in ("replicated",) or shard.sharding.startswith("collective"):
+            continue
+        c = scaled(out[name], 1.0 / tp)
+        params = out[name].param_bytes
+        c = dataclasses.replace(c, param_bytes=params // tp, param_count=out[name].param_count // tp,
+                                fwd_bytes=max(c.fwd_bytes - params * (1 - 1 / tp), 0.0),
+                                out_bytes=out[name].out_bytes if shard.sharding == "row" else c.out_bytes)
+        out[name] = c
+    return out

@@ -89,13 +89,13 @@ CUTS = _Cuts()
 
 
 def _node_seconds(graph: GraphCosts, layout: Layout, size: int, pricing: Pricing) -> tuple[np.ndarray, np.ndarray]:
-    profile = pricing.profile.with_mode(layout.mode if layout.mode != "compiled+graphs" else "graphs")
+    profile = pricing.profile.with_mode(layout.mode)
     fwd, bwd = graph.node_times(size, profile)
     if layout.recompute:
         bwd = bwd + fwd
     if layout.tp > 1:
-        moved = graph.collective_bytes(size)
-        comm = np.where(moved > 0, pricing.links.collective_latency + moved / pricing.links.collective_bandwidth, 0.0)
+        moved = graph.moved_ref * (size / graph.reference_size) * pricing.activation_bytes
+        comm = graph.calls * pricing.links.collective_latency + moved / pricing.links.collective_bandwidth
         fwd, bwd = fwd + comm / 2, bwd + comm / 2
     return fwd, bwd
 

@@ -63,6 +63,7 @@ def plot_search(result: SearchResult, path: str | os.PathLike[str], top: int = 1
         gantt.barh(rank, (end - start) * 1e3, left=start * 1e3, color="#c44e52" if backward else "#55a868",
                    edgecolor="white", linewidth=0.3)
     gantt.set(xlabel="ms", ylabel="pipeline rank", title=f"chosen: {best.layout} (bubble {best.bubble:.1%})")
+    gantt.set_yticks(range(best.layout.pp))
     gantt.invert_yaxis()
     fig.suptitle(f"{result.devices} devices, batch {result.batch}: predicted step {best.step_seconds * 1e3:.1f} ms, "
                  f"{best.samples_per_second:,.0f} samples/s", fontsize="medium")

@@ -76,21 +76,23 @@ class SearchResult:
 
 def _graphs(traced: TracedModel, reference: int, tps: Sequence[int], measured: Mapping[int, MeasuredCosts] | None,
             rejected: list[Rejected], sequence_parallel: bool) -> dict[tuple[int, bool], GraphCosts]:
-    """The graph of every tensor-parallel degree the model's heads and widths allow."""
+    """The costs of every tensor-parallel degree the model's heads and widths allow."""
+    from autopipe.partition.cost import graph_costs
+    from autopipe.shard import plan_sharding
+
+    base = graph_costs(traced.gm)
     graphs: dict[tuple[int, bool], GraphCosts] = {}
     for tp in tps:
         for sp in ((False, True) if tp > 1 and sequence_parallel else (False,)):
             if tp == 1:
-                graphs[(1, False)] = GraphCosts(traced, reference, measured=measured)
+                graphs[(1, False)] = GraphCosts(traced, reference, base_costs=base, measured=measured)
                 continue
-            from autopipe.shard import apply_sharding, plan_sharding
-
             try:
                 plan = plan_sharding(traced, tp, sequence_parallel=sp)
             except ShardingError as exc:
                 rejected.append(Rejected(f"tp{tp}{' sp' if sp else ''}", str(exc).splitlines()[0]))
                 continue
-            graphs[(tp, sp)] = GraphCosts(apply_sharding(traced, plan, 0), reference, tp=tp)
+            graphs[(tp, sp)] = GraphCosts(traced, reference, shard_plan=plan, base_costs=base, measured=measured)
     return graphs
 
 
