@@ -15,6 +15,7 @@ with its reason, as is every impossible one.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -87,8 +88,12 @@ def _graphs(traced: TracedModel, reference: int, tps: Sequence[int], measured: M
             if tp == 1:
                 graphs[(1, False)] = GraphCosts(traced, reference, base_costs=base, measured=measured)
                 continue
+            # Sequence parallelism needs micro-batches that split over tp, which the layouts
+            # check at their own size; the plan's choices do not depend on it.
+            planned = dataclasses.replace(traced, input_shapes=[(tp * reference, *s[1:]) if s else s
+                                                                for s in traced.input_shapes]) if sp else traced
             try:
-                plan = plan_sharding(traced, tp, sequence_parallel=sp)
+                plan = plan_sharding(planned, tp, sequence_parallel=sp)
             except ShardingError as exc:
                 rejected.append(Rejected(f"tp{tp}{' sp' if sp else ''}", str(exc).splitlines()[0]))
                 continue
@@ -184,18 +189,30 @@ def search_layouts(traced: TracedModel, *, devices: int, batch: int, pricing: Pr
     result = SearchResult(ranked, rejected, devices, batch, pricing.profile.name, memory, pricing.links.source,
                           source, time.perf_counter() - begin, len(estimates))
     if not ranked:
-        raise _nothing_fits(result, estimates, memory, batch, devices)
+        cuts = int(next(iter(graphs.values())).allowed.sum()) + 1 if graphs else 1
+        shardable = {tp for tp, _ in graphs}
+
+        def usable(d: int) -> bool:  # some pp x tp x dp = d with pp <= cuts, tp shardable, dp | batch
+            return any(d % (tp * dp) == 0 and d // (tp * dp) <= cuts and batch % dp == 0
+                       for tp in shardable | {1} for dp in range(1, d + 1) if d % dp == 0)
+
+        raise _nothing_fits(result, estimates, memory, batch, devices, usable)
     return result
 
 
-def _nothing_fits(result: SearchResult, estimates: list, memory: float | None, batch: int, devices: int) -> ConfigError:
+def _nothing_fits(result: SearchResult, estimates: list, memory: float | None, batch: int, devices: int,
+                  usable: Any) -> ConfigError:
     """The typed error when no layout can run, naming what would."""
     if not estimates:
         reasons = sorted({r.reason for r in result.rejected})[:4]
+        counts = [d for d in range(1, 4 * devices + 1) if usable(d)]
+        below = max((d for d in counts if d < devices), default=None)
+        above = min((d for d in counts if d > devices), default=None)
+        hint = " or ".join(str(d) for d in (below, above) if d is not None)
         return ConfigError(f"no layout runs a batch of {batch} on {devices} devices:\n"
                            + "\n".join(f"- {r}" for r in reasons)
-                           + f"\nUse a batch divisible by the data-parallel degree (e.g. {devices * 8}) or another "
-                             "number of devices")
+                           + (f"\nThis model and batch run on {hint} devices" if hint else "")
+                           + "; or use a batch that more data-parallel replicas divide")
     least = min(e[1] for e in estimates)
     best = min(estimates, key=lambda e: e[1])[2]
     return ConfigError(f"no layout of a batch of {batch} on {devices} devices fits {memory / 2**30:.1f} GiB per "

@@ -1,0 +1,182 @@
+"""The layout search (autopipe/search): replay, enumeration, prediction, errors, CLI, pp="auto"."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import autopipe
+from autopipe.errors import ConfigError, ScheduleError
+from autopipe.partition.device import get_profile
+from autopipe.runtime.schedule import all_rank_actions, simulate, theoretical_bubble
+from autopipe.search import Layout, LinkModel, Pricing, plan_layout, replay, search_layouts
+from autopipe.search.costs import GraphCosts, scaled
+from autopipe.search.layouts import layouts
+from autopipe.search.predict import predict
+from autopipe.tracer import trace
+from tests.distributed import run_distributed
+from tests.models import timm_vit
+
+
+@pytest.mark.parametrize("schedule,pp,m,v", [("1f1b", 4, 6, 1), ("gpipe", 3, 5, 1), ("interleaved_1f1b", 2, 4, 2),
+                                             ("interleaved_1f1b", 4, 8, 2), ("1f1b", 1, 3, 1)])
+def test_replay_with_unit_times_is_the_schedules_own_timetable(schedule, pp, m, v):
+    stages = pp * v
+    run = replay(schedule, pp, m, v, [1.0] * stages, [1.0] * stages)
+    sim = simulate(all_rank_actions(schedule, pp, m, v), pp, v)
+    assert run.makespan == sim.steps
+    assert run.bubble == pytest.approx(theoretical_bubble(schedule, pp, m, v))
+
+
+def test_replay_waits_for_transfers_and_serialises_a_link():
+    fast = replay("1f1b", 2, 4, 1, [1.0, 1.0], [1.0, 1.0])
+    slow = replay("1f1b", 2, 4, 1, [1.0, 1.0], [1.0, 1.0], send_act=[0.5, 0.0], send_grad=[0.0, 0.5])
+    assert slow.makespan > fast.makespan
+    # A link busier than the compute paces the pipeline: four 3 s sends back to back.
+    paced = replay("gpipe", 2, 4, 1, [1.0, 1.0], [1.0, 1.0], send_act=[3.0, 0.0])
+    assert paced.makespan >= 1 + 4 * 3.0 + 1
+    with pytest.raises(ScheduleError, match="one forward and one backward time per stage"):
+        replay("1f1b", 2, 4, 1, [1.0], [1.0, 1.0])
+
+
+def test_layouts_cover_the_degrees_and_say_why_others_cannot_run():
+    found, refused = [], []
+    for layout, what, why in layouts(4, 6, modes=("eager",), recompute_options=(False,)):
+        (found if layout is not None else refused).append(layout or (what, why))
+    degrees = {(l.pp, l.tp, l.dp) for l in found}
+    assert degrees == {(1, 4, 1), (2, 2, 1), (4, 1, 1), (1, 2, 2), (2, 1, 2)}  # dp=4 does not divide 6
+    assert any("batch 6 does not split over dp=4" in why for _, why in refused)
+    assert all(l.microbatch_size(6) * l.microbatches * l.dp == 6 for l in found)
+    assert all(l.schedule == "interleaved_1f1b" for l in found if l.chunks > 1)
+
+
+def _vit_graph():
+    torch.manual_seed(0)
+    return trace(timm_vit(depth=4), (torch.randn(2, 3, 32, 32),))
+
+
+def _pricing(batch: int, device: str = "h100") -> Pricing:
+    profile = get_profile(device)
+    return Pricing(profile, LinkModel.from_profile(profile), batch)
+
+
+def test_scaled_costs_match_a_trace_at_that_size():
+    small = GraphCosts(_vit_graph(), 2)
+    torch.manual_seed(0)
+    big = trace(timm_vit(depth=4), (torch.randn(8, 3, 32, 32),))
+    direct = GraphCosts(big, 8)
+    profile = get_profile("h100").with_mode("graphs")
+    f1, b1 = small.node_times(8, profile)
+    f2, b2 = direct.node_times(8, profile)
+    assert f1.sum() == pytest.approx(f2.sum(), rel=0.02) and b1.sum() == pytest.approx(b2.sum(), rel=0.02)
+    c = small.costs[5]
+    assert scaled(c, 4.0).fwd_flops == pytest.approx(4 * c.fwd_flops)
+
+
+def test_predictions_grow_with_work_and_memory_with_held_activations():
+    graph = GraphCosts(_vit_graph(), 2)
+    pricing = _pricing(64)
+    base = Layout(2, 1, 1, 4, 1, "1f1b", False, False, "graphs")
+    p = predict(graph, base, pricing, timeline=True)
+    assert p.step_seconds > p.parts["pipeline"] > 0 and 0 < p.bubble < 1
+    assert p.samples_per_second == pytest.approx(64 / p.step_seconds)
+    gpipe = predict(graph, dataclasses.replace(base, schedule="gpipe"), pricing)
+    assert gpipe.memory_bytes > p.memory_bytes  # GPipe holds every micro-batch
+    ckpt = predict(graph, dataclasses.replace(base, recompute=True), pricing)
+    assert ckpt.step_seconds > p.step_seconds and ckpt.memory_bytes < p.memory_bytes
+    assert {r for r, *_ in p.spans} == {0, 1}
+
+
+def test_search_ranks_fits_memory_and_explains_refusals():
+    traced = _vit_graph()
+    result = search_layouts(traced, devices=4, batch=32, pricing=_pricing(32), modes=("eager", "graphs"))
+    steps = [p.step_seconds for p in result.ranked]
+    assert steps == sorted(steps) and result.best.step_seconds == steps[0]
+    text = str(result)
+    assert "chosen:" in text and "refused" in text
+    data = json.loads(json.dumps(result.to_dict()))
+    assert data["ranked"][0]["name"] == str(result.best.layout)
+    tight = result.best.memory_bytes * 0.99
+    small = search_layouts(traced, devices=4, batch=32, pricing=_pricing(32), modes=("graphs",), memory=tight)
+    assert all(p.memory_bytes <= tight for p in small.ranked)
+    assert any("budget" in r.reason for r in small.rejected)
+
+
+def test_no_layout_is_a_typed_error_naming_what_would_fit():
+    traced = _vit_graph()
+    with pytest.raises(ConfigError, match=r"fits 0.0 GiB per device; the least memory, about .* GiB, is pp"):
+        search_layouts(traced, devices=2, batch=8, pricing=_pricing(8), modes=("graphs",), memory=1e3)
+    # 997 devices: tp=997 cannot split 4 heads, 997 replicas cannot split 8 samples, and the
+    # graph has far fewer places to cut than 997 stages.
+    with pytest.raises(ConfigError, match=r"no layout runs a batch of 8 on 997 devices:\n- .*\n(.|\n)*run on \d+ "):
+        search_layouts(traced, devices=997, batch=8, pricing=_pricing(8), modes=("graphs",),
+                       recompute_options=(False,))
+    with pytest.raises(ConfigError, match="devices must be a positive integer"):
+        search_layouts(traced, devices=0, batch=8, pricing=_pricing(8), modes=("graphs",))
+
+
+def test_cli_plan_writes_json_and_figure(tmp_path, capsys):
+    from autopipe.cli import main
+
+    assert main(["plan", "timm:vit_tiny_patch16_224", "--gpus", "2", "--batch", "16", "--image-size", "32",
+                 "--top", "3", "--json", str(tmp_path / "s.json"), "--figure", str(tmp_path / "s.png")]) == 0
+    out = capsys.readouterr().out
+    assert "chosen: pp" in out and "samples/s" in out
+    data = json.loads((tmp_path / "s.json").read_text())
+    assert data["devices"] == 2 and data["ranked"]
+    assert (tmp_path / "s.png").stat().st_size > 1000
+    assert main(["plan", "timm:vit_tiny_patch16_224", "--gpus", "2", "--batch", "16", "--image-size", "32",
+                 "--memory", "0.000001"]) == 2
+    assert "fits" in capsys.readouterr().err
+
+
+def test_link_model_round_trips_and_checks(tmp_path):
+    links = LinkModel(1e-5, 1e10, 2e-5, 5e9, "measured")
+    links.save(tmp_path / "l.json")
+    assert LinkModel.load(tmp_path / "l.json") == links
+    assert links.all_reduce(1e9, 4) == pytest.approx(2e-5 + 1.5e9 / 5e9)
+    with pytest.raises(ConfigError, match="positive bandwidths"):
+        LinkModel(0.0, 0.0, 0.0, 1.0)
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ConfigError, match="autopipe links"):
+        LinkModel.load(tmp_path / "bad.json")
+
+
+def _auto_rank(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = timm_vit()
+    pm = autopipe.parallelize(model, (torch.randn(1, 3, 32, 32),), pp="auto", batch=8, loss_fn=F.cross_entropy,
+                              device="cpu")
+    layout = pm.search.best.layout
+    per_replica = 8 // layout.dp
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
+    mine = slice(pm.dp_rank * per_replica, (pm.dp_rank + 1) * per_replica)
+    loss = pm.train_step(x[mine], y[mine])
+    return {"layout": str(layout), "loss": float(loss), "dp": layout.dp}
+
+
+def test_parallelize_auto_chooses_alike_on_every_rank_and_trains_as_one_process():
+    results = run_distributed(_auto_rank, 2, timeout=240)
+    assert results[0]["layout"] == results[1]["layout"]
+    torch.manual_seed(0)
+    model = timm_vit()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
+    with torch.no_grad():
+        reference = [float(F.cross_entropy(model(x[i * 4:(i + 1) * 4]), y[i * 4:(i + 1) * 4])) for i in range(2)] \
+            if results[0]["dp"] == 2 else [float(F.cross_entropy(model(x), y))] * 2
+    for r, want in zip(results, reference):
+        assert r["loss"] == pytest.approx(want, rel=1e-5)
+
+
+def test_auto_needs_a_batch():
+    with pytest.raises(ConfigError, match="pp='auto' needs batch="):
+        autopipe.parallelize(timm_vit(), (torch.randn(1, 3, 32, 32),), pp="auto", loss_fn=F.cross_entropy,
+                             device="cpu")
+    with pytest.raises(ConfigError, match="batch=8 is for pp='auto'"):
+        autopipe.parallelize(timm_vit(), (torch.randn(1, 3, 32, 32),), batch=8, loss_fn=F.cross_entropy,
+                             device="cpu")
