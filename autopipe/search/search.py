@@ -95,7 +95,8 @@ def _graphs(traced: TracedModel, reference: int, tps: Sequence[int], measured: M
             try:
                 plan = plan_sharding(planned, tp, sequence_parallel=sp)
             except ShardingError as exc:
-                rejected.append(Rejected(f"tp{tp}{' sp' if sp else ''}", str(exc).splitlines()[0]))
+                lines = str(exc).splitlines()
+                rejected.append(Rejected(f"tp{tp}{' sp' if sp else ''}", " ".join(l.strip(" -") for l in lines[:2])))
                 continue
             graphs[(tp, sp)] = GraphCosts(traced, reference, shard_plan=plan, base_costs=base, measured=measured)
     return graphs
@@ -204,7 +205,12 @@ def _nothing_fits(result: SearchResult, estimates: list, memory: float | None, b
                   usable: Any) -> ConfigError:
     """The typed error when no layout can run, naming what would."""
     if not estimates:
-        reasons = sorted({r.reason for r in result.rejected})[:4]
+        # One line per kind of reason, sequence parallelism's own last (its degree fails anyway).
+        reasons = sorted({r.reason for r in result.rejected}, key=lambda r: (r.startswith("sequence"), r))
+        kinds: dict[str, str] = {}
+        for r in reasons:
+            kinds.setdefault(r.split(" ")[0] + r.split(" ")[1], r)
+        reasons = list(kinds.values())[:5]
         counts = [d for d in range(1, 4 * devices + 1) if usable(d)]
         below = max((d for d in counts if d < devices), default=None)
         above = min((d for d in counts if d > devices), default=None)
