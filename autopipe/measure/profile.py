@@ -13,7 +13,9 @@ ranks, to bound the memory (one segment on the device at a time), and to measure
 node owns: the fixed cost of running a stage at all (its first launch, autograd's start, the
 cast of its outputs), the median over segments of what their timing exceeds their nodes by,
 and in eager mode the factor that turns the profiler's host times (which the profiler itself
-inflates) into the host times a stage spends. 16 segments by default.
+inflates) into the host times a stage spends. 16 segments by default. On a CPU the ops run
+as they are called, so each segment's wall time is exact: the profiler's op times (which it
+inflates by a few us an op) only split it among the segment's nodes.
 Compiled modes fuse nodes into kernels no single node owns: there each segment is timed whole
 (24 by default: every one is compiled) and its time spread over its nodes by the analytic model.
 """
@@ -95,12 +97,16 @@ def profile_graph(traced: TracedModel, setup: RunSetup, *, segments: int | None 
     segs = [Segment(a, b, timings[i].forward, timings[i].backward) for i, (a, b) in enumerate(zip(starts, ends))]
     modelled = analytic_seconds(traced, analytic)
     detail: dict[str, list[float]] = {}
-    if by_kernels:
-        stage_timings = [timings[i] for i in range(plan.num_stages)]
+    stage_timings = [timings[i] for i in range(plan.num_stages)]
+    for t in stage_timings if by_kernels else ():
+        for n, (f, b) in t.nodes.device.items():
+            detail[n] = [f, b, *t.nodes.host[n], *t.nodes.kernels[n]]
+    if by_kernels and setup.device.type == "cpu":
+        # On a CPU the ops run as they are called, so a segment's wall time is exact and the
+        # profiler's own cost (a few us an op) is not: its op times only split the segment.
+        seconds, overhead = spread(segs, order, [sum(detail.get(n, (0.0, 0.0))[:2]) for n in order]), 0.0
+    elif by_kernels:
         seconds, overhead = _from_kernels(plan, stage_timings, setup.mode, modelled)
-        for t in stage_timings:
-            for n, (f, b) in t.nodes.device.items():
-                detail[n] = [f, b, *t.nodes.host[n], *t.nodes.kernels[n]]
     else:
         seconds, overhead = spread(segs, order, [modelled[n] for n in order]), 0.0
     measured = MeasuredCosts(
