@@ -1,0 +1,177 @@
+"""Is the layout search right? Every layout for 2 CPU processes, predicted and measured.
+
+    python benchmarks/layout_choice_cpu.py --out results.json [--models vit,resnet] [--batch 16]
+
+Two gloo processes of one thread each (these machines have 2 cores). For each model (a small
+timm ViT and a small torchvision ResNet, 32x32 images):
+1. the links are measured (``measure_links``: point to point and all-reduce over gloo), the
+   driver's host time per compute is measured on a one-layer model, and the graph is profiled
+   on the CPU at every micro-batch size a layout uses (``profile_graph``, both processes
+   timing a share at once, as they train);
+2. the search prices every layout it enumerates for 2 processes: pp=2, tp=2, dp=2 with their
+   micro-batch, schedule, chunk, sequence-parallel and checkpointing variants;
+3. every one of those layouts is built with ``parallelize`` and timed: a train step and an SGD
+   step, median of 5 after 2 warm-up steps.
+Targets (issue: automatic layout): every layout's predicted step time within 15% of its
+measured one, and the chosen layout within 5% of the best measured. Prints a table per model
+and the failures; exits 1 on any.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+MAX_ERROR, MAX_REGRET = 0.15, 0.05
+
+
+def build(name: str) -> nn.Module:
+    if name == "vit":
+        import timm
+
+        return timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=4, depth=4, embed_dim=128,
+                                 num_heads=4, num_classes=10)
+    import torchvision
+
+    return torchvision.models.resnet18(num_classes=10)
+
+
+def _time_steps(pm: Any, batch: tuple, steps: int, warmup: int) -> float:
+    opt = torch.optim.SGD(pm.parameters(), lr=0.01)
+    times = []
+    for i in range(warmup + steps):
+        dist.barrier()
+        begin = time.perf_counter()
+        pm.train_step(*batch)
+        pm.step(opt)
+        opt.zero_grad(set_to_none=False)
+        seconds = torch.tensor([time.perf_counter() - begin])
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        if i >= warmup:
+            times.append(float(seconds))
+    return statistics.median(times)
+
+
+def driver_overhead() -> float:
+    """Host seconds the driver adds per compute: a one-layer model run in 16 micro-batches."""
+    import autopipe
+
+    model = nn.Sequential(nn.Linear(8, 8))
+    pm = autopipe.parallelize(model, (torch.randn(1, 8),), microbatches=16, loss_fn=F.mse_loss, device="cpu")
+    x, y = torch.randn(16, 8), torch.randn(16, 8)
+    seconds = _time_steps(pm, (x, y), 10, 3)
+    return seconds / 32  # 16 forwards and 16 backwards
+
+
+def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    import autopipe
+    from autopipe.measure import RunSetup, profile_graph
+    from autopipe.partition.device import measure_profile
+    from autopipe.search import layouts as layout_space, measure_links, plan_layout
+    from autopipe.search.layouts import Layout
+    from autopipe.tracer import trace
+
+    links = measure_links("cpu")
+    overhead = driver_overhead()
+    cpu = measure_profile("cpu")
+    rows = []
+    for name in args.models.split(","):
+        torch.manual_seed(0)
+        model = build(name)
+        sizes = sorted({layout.microbatch_size(args.batch) for layout, _, _ in
+                        layout_space.layouts(world, args.batch, modes=("eager",)) if layout is not None})
+        profiles = {}
+        for size in sizes:
+            traced = trace(model, (torch.randn(size, 3, 32, 32),))
+            profiles[size] = profile_graph(traced, RunSetup("cpu", reps=5, warmup=2), segments=8)
+        result = plan_layout(model, devices=world, batch=args.batch, device=cpu, links=links, measured=profiles,
+                             example_inputs=(torch.randn(sizes[0], 3, 32, 32),), mixed_precision=None,
+                             modes=("eager",), action_overhead=overhead, exact=10**6, timeline=False)
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(args.batch, 3, 32, 32, generator=g), torch.randint(0, 10, (args.batch,), generator=g)
+        for p in result.ranked:
+            layout: Layout = p.layout
+            size = layout.microbatch_size(args.batch)
+            torch.manual_seed(0)
+            pm = autopipe.parallelize(build(name), (torch.randn(size, 3, 32, 32),), loss_fn=F.cross_entropy,
+                                      device="cpu", **layout.parallelize_kwargs())
+            per = args.batch // layout.dp
+            mine = slice(pm.dp_rank * per, (pm.dp_rank + 1) * per)
+            measured = _time_steps(pm, (x[mine], y[mine]), args.steps, 2)
+            rows.append({"model": name, "layout": str(layout), "predicted": p.step_seconds, "measured": measured,
+                         "error": p.step_seconds / measured - 1, "parts": p.parts})
+            if rank == 0:
+                print(f"{name:6s} {str(layout):44s} predicted {p.step_seconds * 1e3:7.1f} ms  measured "
+                      f"{measured * 1e3:7.1f} ms  {p.step_seconds / measured - 1:+.1%}", flush=True)
+            del pm
+        if rank == 0:
+            rows.append({"model": name, "chosen": str(result.best.layout), "search_seconds": result.seconds,
+                         "links": links.source, "driver_overhead": overhead})
+    if rank == 0:
+        out.put(rows)
+    dist.destroy_process_group()
+
+
+def summarise(rows: list[dict]) -> list[str]:
+    failures = []
+    for name in sorted({r["model"] for r in rows}):
+        runs = [r for r in rows if r["model"] == name and "measured" in r]
+        chosen = next(r["chosen"] for r in rows if r["model"] == name and "chosen" in r)
+        best = min(runs, key=lambda r: r["measured"])
+        pick = next(r for r in runs if r["layout"] == chosen)
+        regret = pick["measured"] / best["measured"] - 1
+        worst = max(runs, key=lambda r: abs(r["error"]))
+        within = sum(abs(r["error"]) <= MAX_ERROR for r in runs)
+        print(f"{name}: {len(runs)} layouts, {within} predicted within {MAX_ERROR:.0%} (worst {worst['layout']}: "
+              f"{worst['error']:+.1%}); chosen {chosen} at {pick['measured'] * 1e3:.1f} ms, best measured "
+              f"{best['layout']} at {best['measured'] * 1e3:.1f} ms ({regret:+.1%})")
+        failures += [f"{name} {r['layout']}: predicted {r['error']:+.1%} off" for r in runs
+                     if abs(r["error"]) > MAX_ERROR]
+        if regret > MAX_REGRET:
+            failures.append(f"{name}: the chosen layout is {regret:.1%} slower than the best measured")
+    return failures
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="vit,resnet")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    port = 29500 + os.getpid() % 1000
+    procs = [ctx.Process(target=worker, args=(r, 2, port, args, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    rows = out.get()
+    for p in procs:
+        p.join()
+    failures = summarise(rows)
+    with open(args.out, "w") as f:
+        json.dump({"date": datetime.date.today().isoformat(), "machine": "2 CPU cores, 2 gloo processes of one "
+                   "thread", "torch": torch.__version__, "rows": rows}, f, indent=1)
+    for line in failures:
+        print("FAIL", line)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
