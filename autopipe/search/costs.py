@@ -16,8 +16,9 @@ from typing import Mapping
 import numpy as np
 
 from autopipe.graph import owning_module
-from autopipe.partition.cost import NodeCost, graph_costs, training_state_bytes
-from autopipe.partition.device import DeviceProfile
+from autopipe.partition.calibration import BYTE_BOUNDS, Calibration, class_of, launched
+from autopipe.partition.cost import MATMUL_KINDS, NodeCost, graph_costs, training_state_bytes
+from autopipe.partition.device import COMPILED_FUSION, DeviceProfile
 from autopipe.partition.measured import MeasuredCosts
 from autopipe.partition.partitioner import cut_candidates, cut_dag
 from autopipe.shard.plan import ShardPlan
@@ -82,6 +83,7 @@ class GraphCosts:
                 self.calls[i] += (c.fwd_bytes > 0) + (c.bwd_bytes > 0)
         self.measured = dict(measured or {})
         self.modules = [owning_module(n) for n in nodes]
+        self._kernels = _KernelTable.of(self.costs)
         self._times: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
 
     def node_times(self, size: int, profile: DeviceProfile) -> tuple[np.ndarray, np.ndarray]:
@@ -93,15 +95,43 @@ class GraphCosts:
 
     def _node_times(self, size: int, profile: DeviceProfile) -> tuple[np.ndarray, np.ndarray]:
         ratio = size / self.reference_size
-        fwd = np.empty(len(self.costs))
-        bwd = np.empty(len(self.costs))
-        for i, c in enumerate(self.costs):
-            s = scaled(c, ratio)
-            fwd[i], bwd[i] = profile.node_time(s), profile.node_time(s, backward=True)
+        k = self._kernels
+        out = []
+        for d in (0, 1):
+            flops = k.flops[d] * ratio
+            nbytes = k.fixed_bytes[d] + k.act_bytes[d] * ratio
+            peak = np.where(k.matmul, profile.matmul_flops, profile.vector_flops)
+            roofline = np.maximum(flops / peak, nbytes / profile.mem_bandwidth)
+            cal = profile.calibration
+            if cal is None:
+                seconds = roofline + profile.op_overhead
+            else:
+                seconds = roofline * self._factors(cal, nbytes, d) + cal.launch[d]
+                host = np.full(len(seconds), cal.host[d])
+                if profile.mode.startswith("compiled"):
+                    fused = np.where(k.matmul, 1.0, COMPILED_FUSION)
+                    seconds, host = seconds * fused, host * fused
+                if profile.mode in ("eager", "compiled"):
+                    seconds = np.maximum(seconds, host)
+            seconds = np.where((flops > 0) | (nbytes > 0), seconds, 0.0)
+            out.append(np.bincount(k.node, weights=seconds, minlength=len(self.costs)))
+        fwd, bwd = out
         measured = self._measured_for(size)
         if measured is not None:
             fwd, bwd = self._from_measured(measured, size, profile, fwd, bwd)
         return fwd, bwd
+
+    def _factors(self, cal: Calibration, nbytes: np.ndarray, direction: int) -> np.ndarray:
+        """Each kernel's calibration factor; classes by bytes take their bucket at these bytes."""
+        k = self._kernels
+        bucket = np.searchsorted(np.asarray(BYTE_BOUNDS, dtype=float), nbytes, side="left")
+        factors = np.ones(len(nbytes))
+        for i, (fixed, prefix) in enumerate(zip(k.fixed_class, k.prefix)):
+            name = fixed if fixed else f"{prefix}/{_BYTE_LABELS[bucket[i]]}"
+            pair = cal.factors.get(name)
+            if pair is not None:
+                factors[i] = pair[direction]
+        return factors
 
     def _measured_for(self, size: int) -> MeasuredCosts | None:
         if size in self.measured:
@@ -155,3 +185,38 @@ def _sharded(costs: Mapping[str, NodeCost], plan: ShardPlan) -> dict[str, NodeCo
                                 out_bytes=out[name].out_bytes if shard.sharding == "row" else c.out_bytes)
         out[name] = c
     return out
+
+
+_BYTE_LABELS = [lab for lab in (*(f"{b >> 20}MiB" if b >= 2**20 else f"{b >> 10}KiB" for b in BYTE_BOUNDS),
+                                f">{BYTE_BOUNDS[-1] >> 20}MiB")]
+
+
+@dataclasses.dataclass
+class _KernelTable:
+    """Every kernel the graph launches (a node, or each part of a composite one), as arrays:
+    what ``DeviceProfile.node_time`` reads, so that every node is priced in one numpy pass."""
+
+    node: np.ndarray  # int: the node it belongs to
+    matmul: np.ndarray  # bool: on matmul units
+    flops: tuple[np.ndarray, np.ndarray]  # forward, backward, at the reference size
+    fixed_bytes: tuple[np.ndarray, np.ndarray]  # bytes that do not grow with the batch (weights)
+    act_bytes: tuple[np.ndarray, np.ndarray]  # bytes that do
+    fixed_class: list[str]  # calibration class when it does not depend on bytes, else ""
+    prefix: list[str]  # else the class's part before the bytes bucket
+
+    @classmethod
+    def of(cls, costs: list[NodeCost]) -> _KernelTable:
+        rows = []
+        for i, cost in enumerate(costs):
+            for k in launched(cost):
+                weights = min(float(k.param_bytes), k.fwd_bytes)
+                grads = min(2.0 * k.param_bytes, k.bwd_bytes)
+                fwd_class = class_of(k)  # a class by shape is the same both ways; by bytes, bucketed per pass
+                bytes_class = "/" in fwd_class and ("iB" in fwd_class.rsplit("/", 1)[1])
+                rows.append((i, k.kind in MATMUL_KINDS, k.fwd_flops, k.bwd_flops, weights, grads,
+                             k.fwd_bytes - weights, k.bwd_bytes - grads,
+                             "" if bytes_class else fwd_class, fwd_class.rsplit("/", 1)[0] if bytes_class else ""))
+        cols = list(zip(*rows)) if rows else [[] for _ in range(10)]
+        arr = [np.asarray(c, dtype=float) for c in cols[2:8]]
+        return cls(np.asarray(cols[0], dtype=int), np.asarray(cols[1], dtype=bool), (arr[0], arr[1]),
+                   (arr[2], arr[3]), (arr[4], arr[5]), list(cols[8]), list(cols[9]))
