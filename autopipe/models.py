@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import importlib
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -127,7 +127,8 @@ def load_model(spec: str, *, meta: bool = True, image_size: int | None = None, *
     else:
         build = lambda kw: _build_factory(spec, prefix, name, kw)  # noqa: E731
     size_key = {"timm": "img_size", "torchvision": "image_size", "hf": "image_size"}.get(prefix)
-    with torch.device("meta") if meta else contextlib.nullcontext():
+
+    def sized() -> nn.Module:
         if image_size is None or size_key is None:
             return build(kwargs)
         try:
@@ -137,6 +138,47 @@ def load_model(spec: str, *, meta: bool = True, image_size: int | None = None, *
             if not _rejects(exc, size_key):
                 raise
             return build(kwargs)
+
+    if not meta:
+        return sized()
+    try:
+        with torch.device("meta"):
+            return sized()
+    except (NotImplementedError, RuntimeError) as exc:
+        if not _needs_data(exc):
+            raise
+    # See [Note: constructors that compute]: only the parameters go to meta.
+    with _parameters_on_meta():
+        model = sized()
+    return model.to("meta")
+
+
+# [Note: constructors that compute]
+# Some constructors compute with tensors: torchvision's RegNets derive their stage widths with
+# torch.arange(...).tolist(), and a meta tensor holds no data to read back ("Cannot copy out of
+# meta tensor"). Such a model is built again with the default device left alone and each
+# parameter moved to meta as it is registered, before its initialisation runs: the arithmetic
+# runs on CPU, and no more than one parameter is ever allocated at a time. Buffers (small, and
+# sometimes computed: masks, position tables) are built on CPU and moved to meta at the end.
+def _needs_data(exc: BaseException) -> bool:
+    # "Cannot copy out of meta tensor; no data!", "Tensor.item() cannot be called on meta tensors"
+    return "meta tensor" in str(exc)
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
 def _image_shape(model: nn.Module) -> tuple[int, int, int]:

@@ -17,6 +17,20 @@ def tiny_factory(width: int = 8) -> nn.Module:
     return nn.Sequential(nn.Linear(width, width), nn.ReLU())
 
 
+class Computing(nn.Module):
+    """Its constructor reads a tensor's value back, as torchvision's RegNets do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        width = int(torch.tensor([2.6]).round().item()) * 4
+        self.fc = nn.Linear(8, width)
+        self.register_buffer("scale", torch.arange(width, dtype=torch.float32))
+
+
+def computing_factory() -> nn.Module:
+    return Computing()
+
+
 def not_a_model() -> int:
     return 3
 
@@ -58,6 +72,18 @@ def test_factory_and_real_weights() -> None:
     real = load_model(f"{__name__}:tiny_factory", meta=False)
     assert not on_meta(real) and torch.isfinite(real[0].weight).all()
     assert default_input(model, 3).shape == (3, 3, 224, 224)
+
+
+def test_constructor_that_computes_still_builds_on_meta() -> None:
+    # Under the meta device its .item() has no data to read; see [Note: constructors that compute].
+    with pytest.raises(RuntimeError, match="meta tensor"), torch.device("meta"):
+        Computing()
+    model = load_model(f"{__name__}:computing_factory")
+    assert model.fc.out_features == 12 and on_meta(model) and model.scale.is_meta
+    assert not nn.Linear(2, 2).weight.is_meta  # the patch is undone
+    regnet = load_model("torchvision:regnet_x_400mf")
+    assert on_meta(regnet) and all(b.is_meta for b in regnet.buffers())
+    assert sum(p.numel() for p in regnet.parameters()) == 5_495_976
 
 
 def test_default_input_from_a_spec() -> None:
