@@ -40,6 +40,65 @@ def _mutates_first_arg(node: fx.Node, gm: fx.GraphModule) -> bool:
     return False
 
 
+# [Note: received tensors mutated in place]
+# The driver hands a stage its received activations as autograd leaves that require grad, and
+# autograd refuses an in-place op on such a leaf or on a view of it. The tensor an in-place op
+# reaches is often not the received one itself: timm's ResNet sends the stem's output into
+# ``drop_block`` (an ``nn.Identity`` when disabled) and then into an in-place ReLU. So every
+# node that may return its first input itself or a view of it (identity and dropout modules,
+# parameter-free modules of other libraries, views, reshapes, in-place ops) is followed from
+# the received tensor, and the tensor is cloned once at the stage's entry when any of those
+# aliases is mutated in place. Following a module that computes a new tensor only costs a
+# needless copy; missing an alias costs the step.
+_VIEWS = {
+    "view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "permute", "transpose", "t",
+    "squeeze", "unsqueeze", "expand", "expand_as", "narrow", "select", "unbind", "split", "chunk",
+    "tensor_split", "contiguous", "detach", "as_strided", "movedim", "moveaxis", "swapaxes",
+    "getitem", "unfold", "diagonal", "to", "type", "type_as", "float", "alias", "identity",
+    "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout",
+}
+
+
+def _op_name(node: fx.Node) -> str:
+    target = node.target
+    if node.op == "call_method":
+        return str(target)
+    schema = getattr(target, "_schema", None)
+    if schema is not None:  # aten.view.default and the like, from the export route
+        return schema.name.split("::")[-1]
+    return str(getattr(target, "__name__", ""))
+
+
+def _may_alias_first_arg(node: fx.Node, gm: fx.GraphModule) -> bool:
+    """Whether ``node`` may return its first input itself, or a view of it."""
+    if _mutates_first_arg(node, gm):
+        return True  # an in-place op returns what it changed
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        if isinstance(module, (torch.nn.Identity, torch.nn.modules.dropout._DropoutNd)):
+            return True
+        # DropPath, DropBlock and other regularisers return their input where disabled.
+        own_library = type(module).__module__.startswith("torch.")
+        return not own_library and not any(True for _ in module.parameters())
+    return node.op in ("call_method", "call_function") and _op_name(node) in _VIEWS
+
+
+def _mutated_through_aliases(start: fx.Node, members: set[str], gm: fx.GraphModule) -> bool:
+    """Whether a node of the stage mutates ``start``, or an alias of it, in place."""
+    stack, aliases = [start], {start}
+    while stack:
+        node = stack.pop()
+        for user in node.users:
+            if user.name not in members or not user.args or user.args[0] is not node:
+                continue
+            if _mutates_first_arg(user, gm):
+                return True
+            if _may_alias_first_arg(user, gm) and user not in aliases:
+                aliases.add(user)
+                stack.append(user)
+    return False
+
+
 def _constant(value: Any, node: fx.Node) -> Any:
     """A non-tensor value of an earlier stage, as a constant of this one."""
     if any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(value)):
@@ -64,11 +123,9 @@ def emit_stage(traced: TracedModel, plan: PartitionPlan, index: int) -> fx.Graph
         ph.meta.update(by_name[cut.name].meta)
         env[by_name[cut.name]] = ph
 
-    # A received tensor is an autograd leaf: an in-place op on it would fail, so copy it first.
-    mutated = {
-        n.args[0] for n in (by_name[x] for x in stage.nodes)
-        if n.args and isinstance(n.args[0], fx.Node) and n.args[0] in env and _mutates_first_arg(n, src)
-    }
+    # A received tensor is an autograd leaf: an in-place op on it, or on a view or an identity
+    # of it, would fail, so copy it first. See [Note: received tensors mutated in place].
+    mutated = [original for original in env if _mutated_through_aliases(original, members, src)]
     for original in mutated:
         clone = graph.call_function(torch.clone, (env[original],))
         clone.meta.update(original.meta)

@@ -151,3 +151,40 @@ def test_split_points_by_module_name():
     assert plan.stages[1].modules[0].startswith("blocks.1")
     with pytest.raises(PartitionError, match="blocks.9"):
         partition(traced, 2, balance=["blocks.9"], device="cpu")
+
+
+def _leaf_chain(stages, x):
+    """Run the stages as the driver does: each receives its inputs as leaves requiring grad."""
+    values = (x,)
+    for i, stage in enumerate(stages):
+        if i:
+            values = tuple(v.detach().requires_grad_(True) for v in values)
+        values = tuple(stage(*values))
+    return values
+
+
+@pytest.mark.parametrize("split", ["layer1.0.drop_block", "layer1.0.act1"])
+def test_received_tensor_mutated_through_an_identity_is_copied(split):
+    # timm's BasicBlock: bn1 -> drop_block (nn.Identity when disabled) -> act1 (in-place ReLU).
+    # Cut before drop_block, the received tensor reaches the in-place ReLU through the Identity;
+    # cut before act1, directly. See [Note: received tensors mutated in place].
+    model = MODELS["timm_resnet"]().eval()
+    x = image_batch(2)
+    traced = trace(model, (x,))
+    plan = partition(traced, 2, balance=[split], device="cpu")
+    stages = emit_stages(traced, plan)
+    received = {c.name for c in plan.stages[1].inputs}
+    assert "maxpool" in received  # the shortcut, read only: not copied
+    cloned = {n.args[0].name for n in stages[1].graph.nodes if n.target is torch.clone}
+    assert cloned == received - {"maxpool"} and len(cloned) == 1
+    out = _leaf_chain([stages[0], stages[1]], x)[0]
+    torch.testing.assert_close(out, model(x), rtol=1e-6, atol=1e-6)
+
+
+def test_received_tensor_read_only_is_not_copied():
+    model = MODELS["timm_resnet"]().eval()
+    traced = trace(model, (image_batch(2),))
+    plan = partition(traced, 2, balance=["layer2"], device="cpu")  # a conv and a downsample read it
+    stages = emit_stages(traced, plan)
+    assert not [n for n in stages[1].graph.nodes if n.target is torch.clone]
+    _leaf_chain([stages[0], stages[1]], image_batch(2))
