@@ -144,8 +144,51 @@ def test_composite_trace_is_cached_and_keeps_train_modes(monkeypatch):
     traced = trace(model, (x,), exec_sequence=SEQUENCE)
     calls = []
     real = cost_module.trace_fx
-    monkeypatch.setattr(cost_module, "trace_fx", lambda m, *a: calls.append(m) or real(m, *a))
+    monkeypatch.setattr(cost_module, "trace_fx", lambda m, *a, **k: calls.append(m) or real(m, *a, **k))
     first = graph_costs(traced.gm)
     assert len(calls) == 4  # layer1..layer4
     assert graph_costs(traced.gm) == first and len(calls) == 4  # cached: no second trace
     assert not model.layer1[0].bn1.training and model.layer1[0].bn2.training
+
+
+def _attention_leaves(model: nn.Module, size: int) -> list[tuple[str, NodeCost, float]]:
+    """(type, cost, torch.utils.flop_counter's forward FLOPs) of every attention leaf."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model.eval()
+    traced = trace(model, (torch.randn(2, 3, size, size),))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "costed as elementwise" fallback
+        costs = graph_costs(traced.gm)
+    out = []
+    for node in traced.gm.graph.nodes:
+        module = traced.gm.get_submodule(node.target) if node.op == "call_module" else None
+        if module is None or "Attention" not in type(module).__name__:
+            continue
+
+        def real(a):
+            return torch.randn(a.meta["val"].shape) if isinstance(a, fx.Node) else a
+
+        with FlopCounterMode(display=False) as counter, torch.no_grad():
+            module(*map(real, node.args), **{k: real(v) for k, v in node.kwargs.items()})
+        out.append((type(module).__name__, costs[node.name], counter.get_total_flops()))
+    return out
+
+
+@pytest.mark.parametrize("model,size,kinds", [
+    ("swin", 32, {"WindowAttention"}),  # a leaf (it branches on self.training), called with mask=
+    ("levit", 64, {"Attention", "AttentionDownsample"}),  # leaves for the same reason
+])
+def test_attention_leaves_cost_what_they_run(model, size, kinds):
+    import timm
+
+    from tests.models import timm_swin
+
+    built = timm_swin() if model == "swin" else timm.create_model("levit_128s", img_size=size, num_classes=10)
+    leaves = _attention_leaves(built, size)
+    assert {kind for kind, _, _ in leaves} == kinds
+    for kind, cost, flops in leaves:
+        assert cost.kind == "composite", kind
+        # flop_counter counts the matmuls alone; the cost model adds softmax, scale and bias adds.
+        assert flops <= cost.fwd_flops <= 1.05 * flops, (kind, cost.fwd_flops, flops)
+        assert {p.kind for p in cost.parts} & set(MATMUL_KINDS)

@@ -6,6 +6,7 @@ Every node of a graph that follows [Note: the autopipe graph] is priced from the
 from __future__ import annotations
 
 import builtins
+import inspect
 import itertools
 import math
 import operator
@@ -541,10 +542,12 @@ def _node_cost(gm: fx.GraphModule, node: fx.Node, params: list[nn.Parameter]) ->
 
 # [Note: composite modules]
 # A call_module node whose module has no rule but has children is a block that a route kept
-# opaque: the sequence route's items (ResNet's layer1, an nn.Sequential of Bottlenecks) or a
-# user's leaf_modules. It is priced by what it runs: the module alone is traced with the fx
-# route's leaves, the node's input values (meta tensors) are propagated through it on the
-# meta device, and every inner node is costed by the rules above. Its totals (FLOPs, bytes,
+# opaque: the sequence route's items (ResNet's layer1, an nn.Sequential of Bottlenecks), a
+# user's leaf_modules, or a module whose forward branches on self.training (timm's Swin
+# WindowAttention, LeViT's Attention). It is priced by what it runs: the module alone is
+# traced with the fx route's leaves, in its current mode and with its non-tensor arguments
+# fixed (``mask=None``), the node's input values (meta tensors) are propagated through it on
+# the meta device, and every inner node is costed by the rules above. Its totals (FLOPs, bytes,
 # saved bytes) are the inner sums, so it costs what the fx graph of the same block costs;
 # its parameters are its own, all of them (see _owned_params); out_bytes is its output.
 # One summed NodeCost would need one kind, and a block mixing convs (matmul units) with
@@ -580,17 +583,34 @@ def _inputs_key(module: nn.Module, inputs: tuple) -> Any:
     return module.training, str(spec), sig
 
 
+def _bound_inputs(node: fx.Node, module: nn.Module) -> dict[str, Any] | None:
+    """``node``'s values by ``module.forward``'s parameter names, defaults filled in."""
+    try:
+        signature = inspect.signature(module.forward)
+        bound = signature.bind(*node.args, **node.kwargs)
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in signature.parameters.values()):
+        return None
+    bound.apply_defaults()
+    return {k: value_of(a) if isinstance(a, fx.Node) else a for k, a in bound.arguments.items()}
+
+
 def _composite_parts(node: fx.Node, module: nn.Module) -> tuple[NodeCost, ...] | None:
     """The launched inner costs of ``module`` on ``node``'s inputs; None if it cannot be traced."""
-    if node.kwargs:
+    bound = _bound_inputs(node, module)
+    if bound is None:
         return None
-    inputs = tuple(value_of(a) if isinstance(a, fx.Node) else a for a in node.args)
+    inputs = tuple(bound.values())
     cache = _composite_cache.setdefault(module, {})
     key = _inputs_key(module, inputs)
     if key not in cache:
-        modes = {m: m.training for m in module.modules()}  # trace_fx toggles train()/eval()
+        modes = {m: m.training for m in module.modules()}
+        # In its current mode (attention leaves branch on self.training), non-tensor inputs
+        # fixed (Swin's mask=None): one call is priced, not run in both modes.
+        concrete = {k: v for k, v in bound.items() if not isinstance(v, torch.Tensor)}
         try:
-            inner = trace_fx(module)
+            inner = trace_fx(module, both_modes=False, concrete_args=concrete)
             _MetaPropagator(inner).run(*inputs)
         except Exception:  # untraceable, data-dependent, ...: the unknown-leaf fallback
             cache[key] = None

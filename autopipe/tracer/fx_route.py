@@ -74,10 +74,11 @@ def _innermost_module(node: fx.Node) -> str:
     return path if isinstance(path, str) else ""
 
 
-def _trace_once(model: nn.Module, leaves: Sequence[LeafSpec], autowrap: Sequence[Callable]) -> fx.Graph:
+def _trace_once(model: nn.Module, leaves: Sequence[LeafSpec], autowrap: Sequence[Callable],
+                concrete_args: dict[str, Any] | None = None) -> fx.Graph:
     tracer = LeafTracer(leaves, autowrap)
     try:
-        return tracer.trace(model)
+        return tracer.trace(model, concrete_args)
     except Exception as exc:
         exc.autopipe_module = tracer.failed_module  # type: ignore[attr-defined]
         raise
@@ -124,17 +125,27 @@ def trace_fx(
     model: nn.Module,
     leaf_modules: Iterable[LeafSpec] = (),
     autowrap_functions: Sequence[Callable] = (),
+    *,
+    both_modes: bool = True,
+    concrete_args: dict[str, Any] | None = None,
 ) -> fx.GraphModule:
-    """Symbolically trace ``model``; raises whatever fx raises (the caller reports it)."""
+    """Symbolically trace ``model``; raises whatever fx raises (the caller reports it).
+
+    With ``both_modes`` the graph serves train() and eval() alike (modules whose graph differs
+    between them become leaves; a root that differs is refused); without, the model is traced
+    as it is, in its current mode (the cost model reads such graphs; nothing runs them).
+    ``concrete_args`` fixes non-tensor inputs (``mask=None``) as fx's own argument does.
+    """
     leaves = list(leaf_modules)
-    dependent = _mode_dependent_modules(model, leaves, autowrap_functions)
-    if "" in dependent:
-        raise TraceError(
-            f"{type(model).__name__}.forward itself branches on self.training, so one traced graph "
-            "cannot serve train() and eval(); move that branch into a submodule or use another route"
-        )
-    leaves += dependent
-    graph = _trace_once(model, leaves, autowrap_functions)
+    if both_modes:
+        dependent = _mode_dependent_modules(model, leaves, autowrap_functions)
+        if "" in dependent:
+            raise TraceError(
+                f"{type(model).__name__}.forward itself branches on self.training, so one traced graph "
+                "cannot serve train() and eval(); move that branch into a submodule or use another route"
+            )
+        leaves += dependent
+    graph = _trace_once(model, leaves, autowrap_functions, concrete_args)
     gm = fx.GraphModule(model, graph, class_name=type(model).__name__)
     for node in gm.graph.nodes:
         if node.op == "call_module":
