@@ -2,7 +2,7 @@
 
 The steps run in this order, each a function of the last (see ARCHITECTURE):
 1. check every argument on this rank (no collective yet, so a mistake cannot hang a peer);
-2. trace the model to a graph;
+2. trace the model to a graph (one per mode where its forward branches on ``self.training``);
 3. shard it for this tp rank (before partitioning: the cost model must see sharded compute);
 4. cut it into ``pp * chunks`` stages (deterministic: every rank computes the same plan);
 5. build the (pp, dp, tp) mesh, the first collective;
@@ -18,14 +18,15 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.torch_version import TorchVersion
 
-from .emit import emit_stages
-from .errors import ConfigError
+from .emit import emit_stages, share_state
+from .errors import ConfigError, ShardingError
 from .mesh import ParallelDims, build_mesh, default_device
-from .model import ParallelModel, StageRuntime
+from .model import ModeStages, ParallelModel, StageRuntime
 from .partition.mlp_pieces import split_mlps as cut_mlps
+from .partition.mode_plan import follow_plan
 from .partition.partitioner import partition
 from .runtime.schedule import SCHEDULES, validate
-from .tracer import trace
+from .tracer import TracedModel, trace
 
 __all__ = ["parallelize"]
 
@@ -42,6 +43,21 @@ def _check(loss_fn: Any, schedule: str, pp: int, chunks: int, microbatches: int,
     if mixed_precision not in _PRECISIONS:
         raise ConfigError(f"mixed_precision={mixed_precision!r}; use None, 'bf16' or 'fp16'")
     validate(schedule, pp, microbatches, chunks)
+
+
+def _shard_eval_graph(eval_traced: TracedModel, shard_plan: Any, tp_rank: int, rules: Any,
+                      sequence_parallel: bool) -> TracedModel:
+    """The eval-mode graph sharded as the train-mode graph is: every parameter both hold split alike."""
+    from .shard import apply_sharding, plan_sharding
+
+    eval_plan = plan_sharding(eval_traced, shard_plan.tp, rules=rules, sequence_parallel=sequence_parallel)
+    differing = sorted(n for n, p in eval_plan.params.items() if n in shard_plan.params and shard_plan.params[n] != p)
+    if differing:
+        raise ShardingError(
+            f"the model's eval-mode graph shards {', '.join(differing[:3])} otherwise than its train-mode graph "
+            f"({eval_plan.params[differing[0]].split} against {shard_plan.params[differing[0]].split}); keep them "
+            "replicated: parallelize(..., shard_rules=[ShardRule('keep', match='<module path>', style='replicated')])")
+    return apply_sharding(eval_traced, eval_plan, tp_rank, group="tp")
 
 
 def parallelize(
@@ -121,8 +137,9 @@ def parallelize(
                           "(gloo's CUDA collectives gave zero gradients in compiled backward passes); "
                           "init_process_group('nccl'), or compile_stages=False")
 
-    # 2. Trace.
+    # 2. Trace (two graphs where the model's forward branches on self.training).
     traced = trace(model, tuple(example_inputs), leaf_modules=leaf_modules, exec_sequence=exec_sequence)
+    eval_traced = traced.eval_traced
 
     # 3. Shard for this tp rank.
     shard_plan = None
@@ -131,6 +148,8 @@ def parallelize(
 
         shard_plan = plan_sharding(traced, tp, rules=shard_rules, sequence_parallel=sequence_parallel)
         traced = apply_sharding(traced, shard_plan, tp_rank, group="tp")
+        if eval_traced is not None:
+            eval_traced = _shard_eval_graph(eval_traced, shard_plan, tp_rank, shard_rules, sequence_parallel)
 
     # 4. Partition.
     plan = partition(
@@ -153,11 +172,16 @@ def parallelize(
     # 6. This rank's stages.
     local = [s.index for s in plan.stages if s.pp_rank == pp_rank]
     stages = {i: m.to(device) for i, m in emit_stages(traced, plan, local).items()}
+    eval_stages = None
+    if eval_traced is not None:  # see [Note: one graph per mode]
+        eval_traced, eval_plan = follow_plan(traced, plan, eval_traced)
+        eval_stages = ModeStages(eval_plan, eval_traced, {
+            i: share_state(m, stages[i]).to(device) for i, m in emit_stages(eval_traced, eval_plan, local).items()})
 
     runtime = StageRuntime(
         plan=plan, traced=traced, stages=stages, mesh=mesh, schedule=schedule, loss_fn=loss_fn,
         compute_dtype=_PRECISIONS[mixed_precision], activation_checkpointing=activation_checkpointing,
         deadline=deadline, record_timeline=record_timeline, cuda_graphs=cuda_graphs,
-        compile_stages=compile_stages,
+        compile_stages=compile_stages, eval_stages=eval_stages, training=model.training,
     )
     return ParallelModel(model, runtime, shard_plan=shard_plan, fp16=mixed_precision == "fp16")

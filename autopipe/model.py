@@ -23,14 +23,14 @@ from .errors import CheckpointError, InputError
 from .mesh import Mesh
 from .partition.mlp_pieces import merge_pieces, take_piece
 from .partition.plan import PartitionPlan
-from .runtime.driver import PipelineDriver
+from .runtime.driver import PipelineDriver, StageSet
 from .runtime.p2p import TensorSpec
 from .runtime.timeline import Timeline
 from .runtime.weight_casts import WeightCasts
 from .tracer import TracedModel
 from .training import LossScaler, average_gradients, clip_gradients, global_grad_norm
 
-__all__ = ["ParallelModel", "StageRuntime", "StepResult"]
+__all__ = ["ModeStages", "ParallelModel", "StageRuntime", "StepResult"]
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -98,6 +98,17 @@ def _running_stats_kept(stage: nn.Module) -> Iterator[None]:
 
 
 @dataclass
+class ModeStages:
+    """This rank's stages of the model's eval-mode graph, where its forward branches on
+    ``self.training``; they share the train stages' state (see [Note: one graph per mode] in
+    autopipe/partition/mode_plan.py)."""
+
+    plan: PartitionPlan
+    traced: TracedModel
+    stages: dict[int, nn.Module]
+
+
+@dataclass
 class StageRuntime:
     """This rank's stages with the plan and mesh they came from, and the driver running them."""
 
@@ -113,6 +124,8 @@ class StageRuntime:
     record_timeline: bool = False
     cuda_graphs: bool = False
     compile_stages: bool = False
+    eval_stages: ModeStages | None = None
+    training: bool = True  # which mode's stages run first
 
     def __post_init__(self) -> None:
         plan, last = self.plan, self.plan.num_stages - 1
@@ -123,11 +136,14 @@ class StageRuntime:
                 dtype = self.compute_dtype
             return TensorSpec(c.shape, dtype)
 
-        boundary = [[spec(c) for c in plan.stages[k].outputs] for k in range(last)]
+        def boundary(p: PartitionPlan) -> list[list[TensorSpec]]:
+            return [[spec(c) for c in p.stages[k].outputs] for k in range(last)]
+
+        modes = [self.stages] + ([self.eval_stages.stages] if self.eval_stages is not None else [])
         # Linear layers read copies cast once per step; see [Note: weight casts].
-        self.weight_casts = WeightCasts.install(self.stages.values(), self.compute_dtype) \
+        self.weight_casts = WeightCasts.install([st for m in modes for st in m.values()], self.compute_dtype) \
             if self.compute_dtype is not None else None
-        for i, stage in self.stages.items():
+        for i, stage in ((i, st) for m in modes for i, st in m.items()):
             if self.compile_stages:  # see [Note: compiled stages]
                 stage.forward = torch.compile(stage.forward, dynamic=False)
             if self.compute_dtype is not None or self.activation_checkpointing:
@@ -138,12 +154,14 @@ class StageRuntime:
         self.loss_scale: float = 1.0  # the fp16 dynamic loss scale
         self.grad_scale: float = 1.0  # the current train_step's grad_scale
         input_specs = [TensorSpec(s, d) for s, d in zip(self.traced.input_shapes, self.traced.input_dtypes)]
+        eval_set = None if self.eval_stages is None else StageSet(
+            self.eval_stages.stages, boundary(self.eval_stages.plan), self.eval_stages.traced.unflatten_output)
         self.driver = PipelineDriver(
-            self.stages, boundary, pp=plan.pp, chunks=plan.chunks, pp_rank=self.mesh.pp_rank,
+            self.stages, boundary(plan), pp=plan.pp, chunks=plan.chunks, pp_rank=self.mesh.pp_rank,
             pp_group=self.mesh.pp_group, schedule=self.schedule, microbatches=plan.microbatches,
             loss_fn=self._scaled_loss, postprocess=self.traced.unflatten_output, device=self.mesh.device,
             timeline=self.timeline, input_specs=input_specs, deadline=self.deadline, cuda_graphs=self.cuda_graphs,
-            warm_up_stages=self.compile_stages, links=self.mesh.links,
+            warm_up_stages=self.compile_stages, links=self.mesh.links, eval_set=eval_set, training=self.training,
         )
 
     def _scaled_loss(self, output: Any, target: Any) -> torch.Tensor:

@@ -6,6 +6,7 @@ the steps, and leaves parameter gradients of the mean loss in ``.grad`` on every
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -26,7 +27,7 @@ from autopipe.runtime.streams import posting_order
 from autopipe.runtime.timeline import Timeline
 from autopipe.runtime.warmup import warm_up
 
-__all__ = ["PipelineDriver"]
+__all__ = ["PipelineDriver", "StageSet"]
 
 # pp: pipeline ranks; m: micro-batches; S = pp * chunks stages, stage s on rank s % pp.
 F, B = ActionKind.FORWARD, ActionKind.BACKWARD
@@ -38,6 +39,16 @@ _LABELS = {  # how errors name a transfer; completed with "pipeline rank <peer>"
     ActionKind.RECV_GRAD: "receive of the gradient of stage {s}'s output (micro-batch {mb}) from",
 }
 Step = tuple[Callable[[Any, Any], None], Any, Any]
+
+
+@dataclass
+class StageSet:
+    """The stages of one graph with the tensors between them (``boundary_specs[k]``: between
+    stages k and k + 1, one micro-batch) and what makes the model's output of the last one's."""
+
+    stages: dict[int, nn.Module]
+    boundary_specs: Sequence[Sequence[TensorSpec]]
+    postprocess: Callable[[tuple[torch.Tensor, ...]], Any]
 
 
 class PipelineDriver:
@@ -52,6 +63,9 @@ class PipelineDriver:
     ``store``/``deadline`` tune failure propagation (see [Note: failure propagation]).
     ``warm_up_stages`` runs each local stage once before the first step of each mode, so that
     compiled stages compile on every rank at once (see [Note: stage warm-up]).
+    ``eval_set`` holds the stages of the model's eval-mode graph where it has one (see [Note:
+    one graph per mode] in autopipe/partition/mode_plan.py): :meth:`train` switches between
+    the two sets, and ``training`` says which one runs first.
     """
 
     def __init__(
@@ -75,20 +89,24 @@ class PipelineDriver:
         cuda_graphs: bool = False,
         warm_up_stages: bool = False,
         links: dict[Link, dist.ProcessGroup] | None = None,
+        eval_set: StageSet | None = None,
+        training: bool = True,
     ) -> None:
         validate(schedule, pp, microbatches, chunks)
         n = pp * chunks
-        _check_layout(stages, boundary_specs, pp, chunks, pp_rank, pp_group)
-        self.stages = stages
+        self._sets = {True: StageSet(stages, boundary_specs, postprocess)}
+        if eval_set is not None:
+            self._sets[False] = eval_set
+        for stage_set in self._sets.values():
+            _check_layout(stage_set.stages, stage_set.boundary_specs, pp, chunks, pp_rank, pp_group)
+        self._graphs_of: dict[bool, dict[int, StageGraphs]] = {mode: {} for mode in self._sets}
         self.pp, self.chunks, self.pp_rank, self.group = pp, chunks, pp_rank, pp_group
         self.schedule, self.microbatches = schedule, microbatches
-        self.loss_fn, self.postprocess = loss_fn, postprocess
+        self.loss_fn = loss_fn
         self.device = torch.device(device)
         self.timeline, self.input_specs = timeline, input_specs
         self._last = n - 1
-        self._specs = [list(b) for b in boundary_specs]
-        self._in_float = {s: floating_indices(self._specs[s - 1]) if s else () for s in stages}
-        self._out_float = {s: floating_indices(self._specs[s]) if s < n - 1 else () for s in stages}
+        self._activate(training)
         self.p2p = P2P(pp_group, links if links is not None else _own_links(pp_group)) if pp > 1 else None
         self.pool = BufferPool(self.device)
         # CPU tensors travel over gloo, whose p2p works finish only inside wait().
@@ -104,7 +122,6 @@ class PipelineDriver:
             raise ConfigError("cuda_graphs=True needs CUDA stages, a training schedule and the model's "
                               "input specs; pass cuda_graphs=False")
         self.cuda_graphs = cuda_graphs
-        self._graphs: dict[int, StageGraphs] = {}  # captured at the first train step
         self.warm_up_stages = warm_up_stages
         self._warm: set[tuple[int, bool, bool]] = set()  # (stage, training, grad) already run
         self._slot: dict[tuple[int, int], int] = {}
@@ -121,15 +138,31 @@ class PipelineDriver:
                 self.p2p.connect(self._links_used(), self.device, self.monitor.wait)
 
     def train(self, mode: bool = True) -> PipelineDriver:
-        """Sets train/eval mode of every local stage (dropout, batch norm)."""
-        for module in self.stages.values():
-            module.train(mode)
+        """Sets train/eval mode of every local stage (dropout, batch norm), and runs the stages
+        of that mode's graph from now on where the model has one per mode."""
+        for stage_set in self._sets.values():
+            for module in stage_set.stages.values():
+                module.train(mode)
+        self._activate(mode)
         return self
 
+    def _activate(self, training: bool) -> None:
+        """Run the stage set of this mode: its stages, boundaries, outputs and CUDA graphs."""
+        mode = training if training in self._sets else True
+        active, self._mode = self._sets[mode], mode  # receive buffers are pooled per mode
+        n = self._last + 1
+        self.stages, self.postprocess = active.stages, active.postprocess
+        self._specs = [list(b) for b in active.boundary_specs]
+        self._in_float = {s: floating_indices(self._specs[s - 1]) if s else () for s in self.stages}
+        self._out_float = {s: floating_indices(self._specs[s]) if s < n - 1 else () for s in self.stages}
+        self._graphs = self._graphs_of[mode]  # captured at the set's first train step
+
     def parameters(self) -> Iterator[nn.Parameter]:
-        """Parameters of the local stages, for the optimizer."""
-        for s in sorted(self.stages):
-            yield from self.stages[s].parameters()
+        """Parameters of the local stages, for the optimizer (those of the train-mode graph's
+        stages, which the eval-mode graph's share)."""
+        stages = self._sets[True].stages
+        for s in sorted(stages):
+            yield from stages[s].parameters()
 
     def train_step(self, inputs: Sequence[torch.Tensor] | None, targets: Any = None, *,
                    return_outputs: bool = False) -> Any:
@@ -319,7 +352,7 @@ class PipelineDriver:
         if self._grad:
             self._saved[(s, mb)] = (args, roots, bufs, outputs)
         elif bufs is not None:
-            self.pool.release(("act", s), bufs, live=outputs)
+            self.pool.release(("act", s, self._mode), bufs, live=outputs)
 
     def _backward(self, s: int, mb: int) -> None:
         args, roots, bufs, outputs = self._saved.pop((s, mb))
@@ -352,9 +385,9 @@ class PipelineDriver:
         if self.timeline is not None:
             self.timeline.end(mark, "B", s, mb)
         if bufs is not None:  # a stage returning its input hands on (or keeps) the buffer itself
-            self.pool.release(("act", s), bufs, live=outputs)
+            self.pool.release(("act", s, self._mode), bufs, live=outputs)
         if gbufs is not None:  # autograd may keep a received gradient as a leaf output's .grad
-            self.pool.release(("grad", s), gbufs, live=in_grads + [r.grad for r, _ in pairs if r.is_leaf])
+            self.pool.release(("grad", s, self._mode), gbufs, live=in_grads + [r.grad for r, _ in pairs if r.is_leaf])
 
     def _transfer(self, batch: tuple, _: None) -> None:
         while self._sends and self._sends[0][0].done():
@@ -364,10 +397,10 @@ class PipelineDriver:
             if kind in SENDS:
                 tensors = [t.contiguous() for t in self._outbox.pop((s, mb))]
             elif kind is ActionKind.RECV_ACT:
-                tensors = self.pool.acquire(("act", s), self._specs[s - 1])
+                tensors = self.pool.acquire(("act", s, self._mode), self._specs[s - 1])
             else:
                 specs = self._specs[s]
-                tensors = self.pool.acquire(("grad", s), [specs[i] for i in self._out_float[s]])
+                tensors = self.pool.acquire(("grad", s, self._mode), [specs[i] for i in self._out_float[s]])
             if kind not in SENDS:
                 receives.append((len(transfers), (kind, s, mb), tensors))
             transfers.append(Transfer(kind in SENDS, tensors, peer, what))
