@@ -51,7 +51,12 @@ def _shard_eval_graph(eval_traced: TracedModel, shard_plan: Any, tp_rank: int, r
     from .shard import apply_sharding, plan_sharding
 
     eval_plan = plan_sharding(eval_traced, shard_plan.tp, rules=rules, sequence_parallel=sequence_parallel)
-    differing = sorted(n for n, p in eval_plan.params.items() if n in shard_plan.params and shard_plan.params[n] != p)
+
+    def layout(p: Any) -> tuple:  # how it splits; which rule said so may differ
+        return p.shape, p.local_shape, p.split, p.dim, p.outer, p.dtype
+
+    differing = sorted(n for n, p in eval_plan.params.items()
+                       if n in shard_plan.params and layout(shard_plan.params[n]) != layout(p))
     if differing:
         raise ShardingError(
             f"the model's eval-mode graph shards {', '.join(differing[:3])} otherwise than its train-mode graph "
