@@ -223,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         result["family"] = family
         results[spec] = result
         save(out, data)
-        line = result.get("error", "") + (": " + result["message"].splitlines()[0][:150] if result.get("message") else "")
+        message = result.get("message", "").splitlines()
+        line = result.get("error", "") + (": " + message[0][:150] if message else "")
         print(f"[{i}/{len(todo)}] {spec}: {result['status']} {result['seconds']} s {line}", flush=True)
     save(out, data)
     s = data["summary"]

@@ -7,6 +7,7 @@ train stages' parameters, and a pipeline trains and evaluates like one process.
 """
 from __future__ import annotations
 
+import traceback
 from typing import Any
 
 import pytest
@@ -135,13 +136,38 @@ def _pipelined(rank: int, world: int, pp: int, tp: int, chunks: int) -> dict[str
     return {"losses": losses, "state": pm.full_state_dict(), "eval": out, "eval_loss": eval_loss}
 
 
-@pytest.mark.parametrize("pp,tp,chunks", [(2, 1, 1), (2, 1, 2), (1, 2, 1)])
+LAYOUTS = [(2, 1, 1), (2, 1, 2), (1, 2, 1)]  # (pp, tp, chunks), each over 2 processes
+
+
+def _world(rank: int, world: int) -> dict[tuple[int, int, int], dict[str, Any]]:
+    out = {}
+    for layout in LAYOUTS:
+        try:
+            out[layout] = _pipelined(rank, world, *layout)
+        except Exception:  # noqa: BLE001 - the peer failed too (failure propagation); go on
+            out[layout] = {"error": f"rank {rank}: {traceback.format_exc()}"}
+    return out
+
+
+_RESULTS: list[Any] = []
+
+
+def _results() -> tuple[dict[str, Any], list[dict]]:
+    if not _RESULTS:  # one world runs every layout, and one reference serves them all
+        _RESULTS.append((_reference(), run_distributed(_world, 2, timeout=300)))
+    return _RESULTS[0]
+
+
+@pytest.mark.parametrize("pp,tp,chunks", LAYOUTS)
 def test_pipeline_trains_with_aux_logits_and_evaluates_without_like_one_process(pp: int, tp: int,
                                                                                  chunks: int) -> None:
     # With tp=2 each graph is sharded on its own (convolution pairs by channels) and the eval
     # stages read the train stages' shards: after the optimizer's steps, eval_step must see them.
-    ref = _reference()
-    results = run_distributed(_pipelined, 2, pp, tp, chunks, timeout=240)
+    ref, worlds = _results()
+    results = [w[(pp, tp, chunks)] for w in worlds]
+    errors = [r["error"] for r in results if "error" in r]
+    if errors:
+        pytest.fail("\n".join(errors), pytrace=False)
     for r in results:
         assert r["losses"] == pytest.approx(ref["losses"], rel=1e-5)
         assert r["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5)
