@@ -329,3 +329,35 @@ def test_export_takes_batch_statistics_without_running_statistics() -> None:
     for training in (False, True):
         model.train(training)
         torch.testing.assert_close(traced.unflatten_output(traced.gm(x)), model(x))
+
+
+class _CachedBias(nn.Module):
+    """timm's LeViT attention: in eval mode it caches a tensor computed in forward, per device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.bias = nn.Linear(4, 4), nn.Parameter(torch.ones(4))
+        self.cache: dict[str, torch.Tensor] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            return self.fc(x) + self.bias * 2
+        key = str(x.device)
+        if key not in self.cache:
+            self.cache[key] = self.bias * 2
+        return self.fc(x) + self.cache[key]
+
+
+def test_tracing_leaves_no_proxy_or_fake_tensor_in_the_model() -> None:
+    # See [Note: caches filled while tracing]: fx would leave a proxy, shape propagation a fake
+    # tensor in the cache, and the model would return fake tensors from then on.
+    model, x = nn.Sequential(_CachedBias(), nn.ReLU()).eval(), torch.randn(B, 4)
+    expected = model(x).detach()
+    model[0].cache.clear()
+    for _ in range(2):  # a second trace must not meet the first one's proxies
+        traced = trace(model, (x,))
+        assert model[0].cache == {}
+    got = model(x)
+    assert type(got) is torch.Tensor
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(traced.unflatten_output(traced.gm(x)), expected)

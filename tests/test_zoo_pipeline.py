@@ -10,7 +10,8 @@ conv through the export route). ViTs and ResNets of each library are tests/test_
 Each takes one SGD step at pp=2 in train() on a batch of 4 in 2 micro-batches; its reference is
 the unsplit model on the same micro-batches (batch norm statistics per micro-batch, as a stage
 sees them; see docs/batchnorm.md). Every parameter and buffer must agree after the step within
-rtol 1e-5 (atol 1e-6), and the loss too. One gloo world of 2 processes runs every model.
+rtol 1e-5 (atol 1e-6), and the loss too; then ``eval_step`` in eval() must give the reference
+model's eval outputs. One gloo world of 2 processes runs every model.
 """
 from __future__ import annotations
 
@@ -128,11 +129,13 @@ def reference(name: str) -> dict[str, Any]:
             loss += mb_loss.item() / M
         optimizer.step()
         after = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        with torch.no_grad():
+            evaluated = logits(model.eval()(x))
     finally:
         torch.set_num_threads(threads)
     moved = max(float((after[k].double() - before[k].double()).abs().max()) for k in after
                 if after[k].is_floating_point())
-    return {"loss": loss, "state": after, "moved": moved}
+    return {"loss": loss, "state": after, "moved": moved, "eval": evaluated}
 
 
 def _excess(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -155,7 +158,9 @@ def _run(name: str, ref: dict[str, Any]) -> dict[str, Any]:
     state = pm.full_state_dict()  # every rank: the whole model under its own names (MLP pieces merged)
     worst = max(((_excess(v, ref["state"][k]) if k in ref["state"] else float("inf"), k) for k, v in state.items()),
                 default=(0.0, ""))
-    return {"loss": loss, "keys": sorted(state), "worst": worst}
+    out = pm.eval().eval_step(x)  # eval mode: GoogLeNet's other graph, LeViT's cached attention biases
+    return {"loss": loss, "keys": sorted(state), "worst": worst,
+            "eval": None if out is None else _excess(logits(out), ref["eval"])}
 
 
 def world_worker(rank: int, world: int, ref_path: str) -> dict[str, dict[str, Any]]:
@@ -202,3 +207,4 @@ def test_one_pipelined_train_step_equals_one_process(name: str) -> None:
         ratio, key = g["worst"]
         assert ratio <= 1.0, f"rank {rank}: {key} differs from one process by {ratio:.3g}x the tolerance"
         assert g["loss"] == pytest.approx(ref["loss"], rel=RTOL), f"rank {rank}"
+    assert got[0]["eval"] is None and got[1]["eval"] <= 1.0, "eval_step after the step, against one process"

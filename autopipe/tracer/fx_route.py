@@ -19,7 +19,7 @@ import torch.nn as nn
 from ..errors import TraceError
 from ..graph import MODULE_KEY
 
-__all__ = ["LeafSpec", "LeafTracer", "trace_fx", "trace_fx_modes", "default_autowrap_functions"]
+__all__ = ["LeafSpec", "LeafTracer", "trace_fx", "trace_fx_modes", "in_mode", "default_autowrap_functions"]
 
 # A leaf is named by a module type or by a qualified-name prefix ("blocks.3.attn").
 LeafSpec = type | str
@@ -100,7 +100,7 @@ def _signatures_by_module(graph: fx.Graph) -> dict[str, list[str]]:
 
 
 @contextlib.contextmanager
-def _mode(model: nn.Module, training: bool) -> Iterator[None]:
+def in_mode(model: nn.Module, training: bool) -> Iterator[None]:
     """``model.train(training)`` for a while; every module gets its own flag back after (a
     frozen norm inside a training model stays frozen)."""
     flags = {m: m.training for m in model.modules()}
@@ -120,9 +120,9 @@ def _mode_dependent_modules(model: nn.Module, leaves: Sequence[LeafSpec], autowr
     frozen in one mode; as a leaf it runs its own forward and follows ``model.train(mode)``.
     ``""`` (the model itself) is among them when its own forward differs.
     """
-    with _mode(model, True):
+    with in_mode(model, True):
         train = _signatures_by_module(_trace_once(model, leaves, autowrap, concrete_args))
-    with _mode(model, False):
+    with in_mode(model, False):
         evaluation = _signatures_by_module(_trace_once(model, leaves, autowrap, concrete_args))
     differing = [m for m in train.keys() | evaluation.keys() if train.get(m) != evaluation.get(m)]
     # Keep the outermost of nested differing modules: the leaf swallows its children.
@@ -194,6 +194,6 @@ def trace_fx_modes(
         return _graph_module(model, _trace_once(model, leaves, autowrap_functions, concrete_args)), None
     graphs = []
     for training in (True, False):
-        with _mode(model, training):
+        with in_mode(model, training):
             graphs.append(_graph_module(model, _trace_once(model, leaves, autowrap_functions, concrete_args)))
     return graphs[0], graphs[1]

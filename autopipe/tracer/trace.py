@@ -6,11 +6,12 @@ execution sequence, for models no tracer captures). The route taken is recorded.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import operator
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.fx as fx
@@ -122,6 +123,35 @@ def _flatten_output(gm: fx.GraphModule) -> pytree.TreeSpec:
     return spec
 
 
+# [Note: caches filled while tracing]
+# Some forwards cache what they compute on the module: timm's LeViT attention keeps its bias
+# table per device in eval mode. Traced, such a cache is filled with an fx proxy or a fake
+# tensor, and the model would go on returning fake tensors to its owner, and stale proxies to
+# the next trace. Every module's own attributes (not its parameters, buffers or children) are
+# therefore put back as they were once a route has run, dictionaries emptied and refilled in
+# place (hook handles hold a reference to their dictionary).
+_MODULE_STATE = ("_parameters", "_buffers", "_modules")
+
+
+@contextlib.contextmanager
+def _attributes_kept(model: nn.Module) -> Iterator[None]:
+    saved = [(m, k, v, dict(v) if isinstance(v, dict) else None)
+             for m in model.modules() for k, v in vars(m).items() if k not in _MODULE_STATE]
+    try:
+        yield
+    finally:
+        for m, key, value, contents in saved:
+            if m.__dict__.get(key) is not value:
+                m.__dict__[key] = value
+            if contents is not None and (len(value) != len(contents) or any(
+                    value.get(k, _MISSING) is not v for k, v in contents.items())):
+                value.clear()
+                value.update(contents)
+
+
+_MISSING = object()
+
+
 def _where(exc: BaseException) -> str:
     """The innermost source line outside torch and autopipe that the traceback passes through."""
     frames = [
@@ -169,7 +199,8 @@ def trace(
     attempts: dict[str, str] = {}
     for name in order:
         try:
-            graphs = _ROUTE_FNS[name](model, tuple(example_inputs), leaf_modules, exec_sequence)
+            with _attributes_kept(model):
+                graphs = _ROUTE_FNS[name](model, tuple(example_inputs), leaf_modules, exec_sequence)
         except TraceError:
             raise
         except Exception as exc:
