@@ -4,7 +4,7 @@ The steps run in this order, each a function of the last (see ARCHITECTURE):
 1. agree on the arguments with every other rank (over the store, with the deadline: see
    [Note: argument agreement]), then check them on this rank (no collective yet, so a mistake
    cannot hang a peer); from here on a failure on any rank reaches every rank;
-2. trace the model to a graph;
+2. trace the model to a graph (one per mode where its forward branches on ``self.training``);
 3. shard it for this tp rank (before partitioning: the cost model must see sharded compute);
 4. cut it into ``pp * chunks`` stages (deterministic: every rank computes the same plan);
 5. build the (pp, dp, tp) mesh, the first collective;
@@ -23,21 +23,22 @@ import torch.nn as nn
 from torch.torch_version import TorchVersion
 
 from .agreement import agree
-from .emit import emit_stages
-from .errors import ConfigError, PartitionError
+from .emit import emit_stages, share_state
+from .errors import ConfigError, PartitionError, ShardingError
 from .measure import MeasureOptions, RunSetup, measured_plan
 from .partition.device import execution_mode, get_profile
 from .partition.measured import MeasuredCosts
 from .mesh import ParallelDims, build_mesh, default_device
-from .model import ParallelModel, StageRuntime
+from .model import ModeStages, ParallelModel, StageRuntime
 from .partition.mlp_pieces import split_mlps as cut_mlps
+from .partition.mode_plan import follow_plan
 from .partition.partitioner import partition
 from .partition.plan import PartitionPlan
 from .runtime.batchnorm import BatchNormStats, check_batchnorm
 from .runtime.failure import FailureMonitor
 from .runtime.microbatch import SPLITS
 from .runtime.schedule import SCHEDULES, validate
-from .tracer import trace
+from .tracer import TracedModel, trace
 from .variants import export_retracer, meta_copy, planned_size_only
 
 __all__ = ["parallelize"]
@@ -91,6 +92,26 @@ def _check_parameters(plan: PartitionPlan) -> None:
                 f"fails on that rank (torch.optim raises on an empty list). Use fewer stages (pp={plan.pp} x "
                 f"chunks={plan.chunks}; {sum(1 for s in plan.stages if s.params)} of these stages hold "
                 "parameters), or balance= cut points that give every pipeline rank a layer with parameters")
+
+
+def _shard_eval_graph(eval_traced: TracedModel, shard_plan: Any, tp_rank: int, rules: Any,
+                      sequence_parallel: bool) -> TracedModel:
+    """The eval-mode graph sharded as the train-mode graph is: every parameter both hold split alike."""
+    from .shard import apply_sharding, plan_sharding
+
+    eval_plan = plan_sharding(eval_traced, shard_plan.tp, rules=rules, sequence_parallel=sequence_parallel)
+
+    def layout(p: Any) -> tuple:  # how it splits; which rule said so may differ
+        return p.shape, p.local_shape, p.split, p.dim, p.outer, p.dtype
+
+    differing = sorted(n for n, p in eval_plan.params.items()
+                       if n in shard_plan.params and layout(shard_plan.params[n]) != layout(p))
+    if differing:
+        raise ShardingError(
+            f"the model's eval-mode graph shards {', '.join(differing[:3])} otherwise than its train-mode graph "
+            f"({eval_plan.params[differing[0]].split} against {shard_plan.params[differing[0]].split}); keep them "
+            "replicated: parallelize(..., shard_rules=[ShardRule('keep', match='<module path>', style='replicated')])")
+    return apply_sharding(eval_traced, eval_plan, tp_rank, group="tp")
 
 
 def parallelize(
@@ -236,7 +257,7 @@ def parallelize(
                           "(gloo's CUDA collectives gave zero gradients in compiled backward passes); "
                           "init_process_group('nccl'), or compile_stages=False")
 
-    # 2. Trace.
+    # 2. Trace (two graphs where the model's forward branches on self.training).
     traced = trace(model, tuple(example_inputs), leaf_modules=leaf_modules, exec_sequence=exec_sequence)
     # torch.export bakes the micro-batch size in: other sizes trace this copy again, taken
     # before any module is changed (see [Note: stage variants]).
@@ -246,6 +267,7 @@ def parallelize(
             template = meta_copy(model)
         except Exception as exc:  # noqa: BLE001 - only other batch sizes need it; they say why
             uncopied = f"{type(model).__name__} could not be copied to trace it again ({type(exc).__name__}: {exc})"
+    eval_traced = traced.eval_traced
 
     # 3. Shard for this tp rank. Measured costs time tp rank 0's graph with its collectives
     # standing in (no group yet, and every rank must time the same graph): a plan names nodes,
@@ -259,6 +281,8 @@ def parallelize(
         rank_graph = apply_sharding(traced, shard_plan, tp_rank, group="tp")
         planning_graph = rank_graph if costs == "analytic" else apply_sharding(traced, shard_plan, 0)
         traced = rank_graph
+        if eval_traced is not None:
+            eval_traced = _shard_eval_graph(eval_traced, shard_plan, tp_rank, shard_rules, sequence_parallel)
 
     # 4. Partition.
     mode = execution_mode(cuda_graphs=cuda_graphs, compile_stages=compile_stages)
@@ -293,6 +317,11 @@ def parallelize(
     local = [s.index for s in plan.stages if s.pp_rank == pp_rank]
     with monitor.guard():
         stages = {i: m.to(device) for i, m in emit_stages(traced, plan, local).items()}
+        eval_stages = None
+        if eval_traced is not None:  # see [Note: one graph per mode]
+            eval_traced, eval_plan = follow_plan(traced, plan, eval_traced)
+            eval_stages = ModeStages(eval_plan, eval_traced, {
+                i: share_state(m, stages[i]).to(device) for i, m in emit_stages(eval_traced, eval_plan, local).items()})
     norms = BatchNormStats.install(stages.values(), batchnorm, mesh.dp_group, dims.dp)
 
     retrace = planned_size_only(uncopied) if uncopied else None
@@ -304,6 +333,7 @@ def parallelize(
         compute_dtype=_PRECISIONS[mixed_precision], activation_checkpointing=activation_checkpointing,
         deadline=deadline, record_timeline=record_timeline, cuda_graphs=cuda_graphs,
         compile_stages=compile_stages, batchnorm=norms, retrace=retrace, batch_split=batch_split, monitor=monitor,
+        eval_stages=eval_stages, training=model.training,
     )
     pm = ParallelModel(model, runtime, shard_plan=shard_plan, fp16=mixed_precision == "fp16")
     pm.search = search

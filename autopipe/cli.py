@@ -3,7 +3,8 @@ model on the meta device and prints the stage table, optionally writing the JSON
 ``autopipe profile MODEL --batch 256 --out FILE`` times the model on this machine's GPU, and the
 file prices ``autopipe report --costs FILE`` anywhere.
 
-Errors that are the user's to fix (every :class:`AutopipeError`) print one message and exit 2.
+Errors that are the user's to fix (every :class:`AutopipeError`) print one message and exit 2;
+anything else is a bug and prints one line too, exit 1 (``--traceback`` shows where).
 """
 from __future__ import annotations
 
@@ -17,13 +18,14 @@ from .errors import AutopipeError, ConfigError
 from .partition.device import EXECUTION_MODES, PROFILES
 from .partition.measured import MeasuredCosts
 from .partition.partitioner import BALANCE_MODES
-from .partition.report import plot
+from .partition.report import check_figure_path, plot
 from .planning import plan_model, planning_graph
 from .runtime.schedule import SCHEDULES
 
 __all__ = ["main", "build_parser"]
 
 _EXIT_USER_ERROR = 2  # what argparse uses for bad arguments too
+_EXIT_INTERNAL_ERROR = 1
 
 _EPILOG = """\
 MODEL is timm:NAME, torchvision:NAME, hf:CLASS (default config) or package.module:factory.
@@ -43,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    report.add_argument("model", metavar="MODEL")
+    report.add_argument("model", metavar="MODEL",
+                        help="the model: timm:NAME, torchvision:NAME, hf:CLASS or package.module:factory")
     report.add_argument("--pp", type=int, required=True, help="pipeline degree")
     report.add_argument("--chunks", type=int, default=1, help="model chunks per pipeline rank (default 1)")
     report.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
@@ -57,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"device profile of the cost model: {', '.join(PROFILES)} (default h100)")
     report.add_argument("--schedule", choices=SCHEDULES, default=None,
                         help="pipeline schedule (default 1f1b, interleaved_1f1b when chunks > 1)")
-    report.add_argument("--image-size", type=int, default=None, help="input height and width")
+    report.add_argument("--image-size", type=int, default=None,
+                        help="input height and width (default: the model's own, from its config or "
+                             "its weights; 224 where it records none)")
     report.add_argument("--mem-cap-gib", type=float, default=None, help="memory cap per stage, GiB")
     report.add_argument("--mode", choices=EXECUTION_MODES, default=None,
                         help="how the stages will run (default: the profile's, else eager)")
@@ -66,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: the analytic model of --device)")
     report.add_argument("--json", metavar="PATH", help="write the plan as JSON")
     report.add_argument("--figure", metavar="PATH", help="draw the plan (.png, .svg or .pdf)")
+    report.add_argument("--traceback", action="store_true", help="show the traceback of an internal error")
     _add_profile_parser(sub)
     _add_plan_parser(sub)
     links = sub.add_parser("links", help="measure the links between this machine's devices (under torchrun)",
@@ -219,7 +225,24 @@ def _balance(args: argparse.Namespace) -> str | list[str]:
     return points
 
 
+def _check_writable(option: str, path: str | None) -> None:
+    """Refuse an output path that cannot be written before planning (which takes a while)."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ConfigError(f"{option} {path!r} is a directory; give a file path")
+    if not os.path.isdir(folder):
+        raise ConfigError(f"{option} {path!r}: folder {folder!r} does not exist; create it first")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ConfigError(f"{option} {path!r} is not writable; give a path you can write to")
+
+
 def _report(args: argparse.Namespace) -> None:
+    _check_writable("--json", args.json)
+    _check_writable("--figure", args.figure)
+    if args.figure:
+        check_figure_path(args.figure)
     plan = plan_model(
         args.model,
         pp=args.pp,
@@ -264,7 +287,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except AutopipeError as exc:
         print(f"autopipe: error: {exc}", file=sys.stderr)
         return _EXIT_USER_ERROR
-    except OSError as exc:  # an unwritable --json or --figure path
+    except OSError as exc:  # a disk that filled up, a path that went away while planning
         print(f"autopipe: error: {exc}", file=sys.stderr)
         return _EXIT_USER_ERROR
+    except Exception as exc:  # a bug, autopipe's or the model library's: one line, or --traceback
+        if args.traceback:
+            raise
+        detail = " ".join(str(exc).split())[:300]
+        print(f"autopipe: internal error: {type(exc).__name__}: {detail} (a bug; rerun with --traceback "
+              "and report it with the command)", file=sys.stderr)
+        return _EXIT_INTERNAL_ERROR
     return 0

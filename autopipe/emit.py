@@ -17,12 +17,12 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from .errors import PartitionError
-from .graph import MODULE_KEY, keep_buffer_persistence, value_of
+from .graph import MODULE_KEY, keep_buffer_persistence, resolve_attr, value_of
 from .partition.mlp_pieces import split_mlps
 from .partition.plan import PartitionPlan
 from .tracer import TracedModel
 
-__all__ = ["emit_stage", "emit_stages", "run_chain"]
+__all__ = ["emit_stage", "emit_stages", "run_chain", "share_state"]
 
 _INPLACE_FUNCTIONS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ipow}
 
@@ -182,6 +182,25 @@ def emit_stages(traced: TracedModel, plan: PartitionPlan, indices: Iterable[int]
     wanted = range(plan.num_stages) if indices is None else indices
     traced = split_mlps(traced, plan.mlp_pieces)  # once, not once per stage
     return {i: emit_stage(traced, plan, i) for i in wanted}
+
+
+def share_state(stage: fx.GraphModule, owner: fx.GraphModule) -> fx.GraphModule:
+    """Point ``stage``'s leaf modules, parameters and buffers at ``owner``'s of the same names
+    (the eval-mode stage of a train-mode stage: see [Note: one graph per mode] in
+    autopipe/partition/mode_plan.py); what ``owner`` lacks stays ``stage``'s own."""
+    for node in stage.graph.nodes:
+        if node.op not in ("call_module", "get_attr"):
+            continue
+        theirs = resolve_attr(owner, str(node.target))
+        parent_path, _, field = str(node.target).rpartition(".")
+        parent = stage.get_submodule(parent_path)
+        if isinstance(theirs, torch.nn.Module) and node.op == "call_module":
+            setattr(parent, field, theirs)
+        elif isinstance(theirs, torch.nn.Parameter):
+            parent.register_parameter(field, theirs)
+        elif isinstance(theirs, torch.Tensor) and field in parent._buffers:
+            parent._buffers[field] = theirs  # keeps the buffer's persistence
+    return stage
 
 
 def run_chain(stages: Sequence[torch.nn.Module], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:

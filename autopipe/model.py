@@ -25,7 +25,7 @@ from .mesh import Mesh
 from .partition.mlp_pieces import merge_pieces, take_piece
 from .partition.plan import PartitionPlan
 from .runtime.batchnorm import BatchNormStats
-from .runtime.driver import PipelineDriver
+from .runtime.driver import PipelineDriver, StageSet
 from .runtime.failure import FailureMonitor, synced, wait_works
 from .runtime.objects import all_gather_objects
 from .runtime.p2p import TensorSpec
@@ -34,7 +34,7 @@ from .runtime.weight_casts import WeightCasts
 from .tracer import TracedModel
 from .training import LossScaler, average_gradients, clip_gradients, global_grad_norm
 
-__all__ = ["ParallelModel", "StageRuntime", "StepResult"]
+__all__ = ["ModeStages", "ParallelModel", "StageRuntime", "StepResult"]
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -109,6 +109,17 @@ def _running_stats_kept(stage: nn.Module) -> Iterator[None]:
 
 
 @dataclass
+class ModeStages:
+    """This rank's stages of the model's eval-mode graph, where its forward branches on
+    ``self.training``; they share the train stages' state (see [Note: one graph per mode] in
+    autopipe/partition/mode_plan.py)."""
+
+    plan: PartitionPlan
+    traced: TracedModel
+    stages: dict[int, nn.Module]
+
+
+@dataclass
 class StageRuntime:
     """This rank's stages with the plan and mesh they came from, and the driver running them."""
 
@@ -128,6 +139,9 @@ class StageRuntime:
     # Another micro-batch size's graph, for routes that bake the size in (see [Note: stage variants]).
     retrace: Callable[[int], tuple[TracedModel, PartitionPlan]] | None = None
     batch_split: str = "equal"  # see [Note: batch splits] in runtime/microbatch.py
+    monitor: FailureMonitor | None = None  # shared by the whole mesh; see [Note: failure propagation]
+    eval_stages: ModeStages | None = None
+    training: bool = True  # which mode's stages run first
 
     def _spec(self, shape: Any, dtype: torch.dtype) -> TensorSpec:
         if self.compute_dtype is not None and dtype.is_floating_point:
@@ -142,40 +156,52 @@ class StageRuntime:
                           cast_outputs=i != self.plan.num_stages - 1, recompute=self.activation_checkpointing,
                           norms=self.batchnorm)
 
-    def _variant(self, size: int) -> tuple[dict[int, nn.Module], list[list[TensorSpec]]]:
-        """This rank's stages and the boundary specs at ``size`` samples per micro-batch; see
-        [Note: stage variants] in variants.py."""
-        from .variants import boundary_values, emit_variant, repropagate
+    def _variants(self, traced: TracedModel, plan: PartitionPlan, stages: dict[int, nn.Module],
+                  retrace: Callable[[int], tuple[TracedModel, PartitionPlan]] | None) -> Callable[[int], Any]:
+        """This rank's stages and boundary specs of one mode's graph at another micro-batch size;
+        see [Note: stage variants] in variants.py."""
 
-        traced, plan = self.retrace(size) if self.retrace is not None else (repropagate(self.traced, size), self.plan)
-        stages = emit_variant(traced, plan, self.stages)
-        for i, stage in stages.items():
-            if stage is not self.stages[i]:
-                self._wrap(i, stage)
-        specs = [[self._spec(v.shape, v.dtype) for v in b] for b in boundary_values(traced, plan)]
-        return stages, specs
-    monitor: FailureMonitor | None = None  # shared by the whole mesh; see [Note: failure propagation]
+        def build(size: int) -> tuple[dict[int, nn.Module], list[list[TensorSpec]]]:
+            from .variants import boundary_values, emit_variant, repropagate
+
+            sized, sized_plan = retrace(size) if retrace is not None else (repropagate(traced, size), plan)
+            built = emit_variant(sized, sized_plan, stages)
+            for i, stage in built.items():
+                if stage is not stages[i]:
+                    self._wrap(i, stage)
+            return built, [[self._spec(v.shape, v.dtype) for v in b] for b in boundary_values(sized, sized_plan)]
+
+        return build
 
     def __post_init__(self) -> None:
         plan, last = self.plan, self.plan.num_stages - 1
-        boundary = [[self._spec(c.shape, _dtype(c.dtype)) for c in plan.stages[k].outputs] for k in range(last)]
+
+        def boundary(p: PartitionPlan) -> list[list[TensorSpec]]:
+            return [[self._spec(c.shape, _dtype(c.dtype)) for c in p.stages[k].outputs] for k in range(last)]
+
+        modes = [self.stages] + ([self.eval_stages.stages] if self.eval_stages is not None else [])
         # Linear layers read copies cast once per step; see [Note: weight casts].
-        self.weight_casts = WeightCasts.install(self.stages.values(), self.compute_dtype) \
+        self.weight_casts = WeightCasts.install([st for m in modes for st in m.values()], self.compute_dtype) \
             if self.compute_dtype is not None else None
-        for i, stage in self.stages.items():
+        for i, stage in ((i, st) for m in modes for i, st in m.items()):
             self._wrap(i, stage)
         self.timeline = Timeline(self.mesh.rank, cuda_events=self.mesh.device.type == "cuda") \
             if self.record_timeline else None
         self.loss_scale: float = 1.0  # the fp16 dynamic loss scale
         self.grad_scale: float = 1.0  # the current train_step's grad_scale
         input_specs = [TensorSpec(s, d) for s, d in zip(self.traced.input_shapes, self.traced.input_dtypes)]
+        mode = self.eval_stages
+        eval_set = None if mode is None else StageSet(
+            mode.stages, boundary(mode.plan), mode.traced.unflatten_output,
+            self._variants(mode.traced, mode.plan, mode.stages, None))
         self.driver = PipelineDriver(
-            self.stages, boundary, pp=plan.pp, chunks=plan.chunks, pp_rank=self.mesh.pp_rank,
+            self.stages, boundary(plan), pp=plan.pp, chunks=plan.chunks, pp_rank=self.mesh.pp_rank,
             pp_group=self.mesh.pp_group, schedule=self.schedule, microbatches=plan.microbatches,
             loss_fn=self._scaled_loss, postprocess=self.traced.unflatten_output, device=self.mesh.device,
             timeline=self.timeline, input_specs=input_specs, deadline=self.deadline, cuda_graphs=self.cuda_graphs,
-            warm_up_stages=self.compile_stages, links=self.mesh.links, variants=self._variant,
-            split=self.batch_split, monitor=self.monitor,
+            warm_up_stages=self.compile_stages, links=self.mesh.links,
+            variants=self._variants(self.traced, plan, self.stages, self.retrace), split=self.batch_split,
+            monitor=self.monitor, eval_set=eval_set, training=self.training,
         )
 
     def _scaled_loss(self, output: Any, target: Any) -> torch.Tensor:

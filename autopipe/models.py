@@ -8,7 +8,8 @@ from __future__ import annotations
 import contextlib
 import difflib
 import importlib
-from typing import Any, Callable
+import inspect
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -62,7 +63,13 @@ def _build_torchvision(name: str, kwargs: dict[str, Any]) -> nn.Module:
     known = models.list_models()
     if name not in known:
         raise _unknown("torchvision", name, known)
-    return models.get_model(name, weights=None, **kwargs)
+    model = models.get_model(name, weights=None, **kwargs)
+    # The smallest size its published weights were evaluated at: Inception v3's auxiliary head
+    # needs 299 in train(); others take any size (224 then), or record their own (ViT).
+    sizes = [w.transforms().crop_size for w in models.get_model_weights(name)]
+    if sizes:
+        model._autopipe_image_size = min(size[0] for size in sizes)
+    return model
 
 
 def _build_hf(name: str, kwargs: dict[str, Any]) -> nn.Module:
@@ -127,7 +134,8 @@ def load_model(spec: str, *, meta: bool = True, image_size: int | None = None, *
     else:
         build = lambda kw: _build_factory(spec, prefix, name, kw)  # noqa: E731
     size_key = {"timm": "img_size", "torchvision": "image_size", "hf": "image_size"}.get(prefix)
-    with torch.device("meta") if meta else contextlib.nullcontext():
+
+    def sized() -> nn.Module:
         if image_size is None or size_key is None:
             return build(kwargs)
         try:
@@ -137,6 +145,51 @@ def load_model(spec: str, *, meta: bool = True, image_size: int | None = None, *
             if not _rejects(exc, size_key):
                 raise
             return build(kwargs)
+
+    try:
+        if not meta:
+            return sized()
+        try:
+            with torch.device("meta"):
+                return sized()
+        except (NotImplementedError, RuntimeError) as exc:
+            if not _needs_data(exc):
+                raise
+        # See [Note: constructors that compute]: only the parameters go to meta.
+        with _parameters_on_meta():
+            model = sized()
+        return model.to("meta")
+    except ImportError as exc:  # transformers' Dinat needs natten, and says so
+        raise ConfigError(f"model spec {spec!r} needs a package that is not installed: "
+                          f"{' '.join(str(exc).split())}") from exc
+
+
+# [Note: constructors that compute]
+# Some constructors compute with tensors: torchvision's RegNets derive their stage widths with
+# torch.arange(...).tolist(), and a meta tensor holds no data to read back ("Cannot copy out of
+# meta tensor"). Such a model is built again with the default device left alone and each
+# parameter moved to meta as it is registered, before its initialisation runs: the arithmetic
+# runs on CPU, and no more than one parameter is ever allocated at a time. Buffers (small, and
+# sometimes computed: masks, position tables) are built on CPU and moved to meta at the end.
+def _needs_data(exc: BaseException) -> bool:
+    # "Cannot copy out of meta tensor; no data!", "Tensor.item() cannot be called on meta tensors"
+    return "meta tensor" in str(exc)
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
 def _image_shape(model: nn.Module) -> tuple[int, int, int]:
@@ -153,7 +206,7 @@ def _image_shape(model: nn.Module) -> tuple[int, int, int]:
             channels, h, w = cfg["input_size"]
             break
     else:
-        h = w = _DEFAULT_IMAGE
+        h = w = getattr(model, "_autopipe_image_size", _DEFAULT_IMAGE)  # torchvision's, from its weights
     # A model built with another size records it on itself (timm patch_embed, torchvision ViT).
     patch_embed = getattr(model, "patch_embed", None)
     own = next((v for v in (getattr(patch_embed, "img_size", None), getattr(model, "image_size", None),
@@ -165,16 +218,41 @@ def _image_shape(model: nn.Module) -> tuple[int, int, int]:
     return int(channels), int(h), int(w)
 
 
+# transformers inputs that are not an image batch: NaFlex models (Siglip2) take patches with
+# their mask and grid shapes.
+_PATCH_INPUTS = ("pixel_attention_mask", "spatial_shapes")
+
+
+def _check_image_input(model: nn.Module) -> None:
+    """Refuse a model whose first input is not an image batch (ImageGPT's input_ids...)."""
+    first = getattr(model, "main_input_name", "pixel_values")
+    try:
+        params = set(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        params = set()
+    needs = [p for p in _PATCH_INPUTS if p in params]
+    if first == "pixel_values" and not needs:
+        return
+    what = f"'{first}'" if first != "pixel_values" else "patches with " + " and ".join(needs)
+    raise ConfigError(
+        f"{type(model).__name__} takes {what}, not an image batch (batch, channels, height, width), "
+        "which is all a default input can be; plan it from python with example inputs of its own: "
+        "autopipe.planning.plan_model(model, pp=..., example_inputs=(...))"
+    )
+
+
 def default_input(
     model_or_spec: nn.Module | str, batch: int, *, image_size: int | None = None
 ) -> torch.Tensor:
     """A meta image batch ``(batch, C, H, W)`` of the size the model expects (224 when unknown).
 
-    ``image_size`` overrides the guess; a spec string is loaded on meta first.
+    ``image_size`` overrides the guess; a spec string is loaded on meta first. A model that does
+    not take an image batch (transformers' ImageGPT takes token ids) raises ConfigError.
     """
     if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
         raise ConfigError(f"batch must be a positive integer, got {batch!r}")
     model = load_model(model_or_spec, image_size=image_size) if isinstance(model_or_spec, str) else model_or_spec
+    _check_image_input(model)
     channels, h, w = _image_shape(model)
     if image_size is not None:
         h = w = image_size

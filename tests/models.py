@@ -90,6 +90,40 @@ def hf_swin(**config: Any) -> nn.Module:
                                                  num_heads=[2, 4], window_size=4, num_labels=10, **config))
 
 
+class AuxNet(nn.Module):
+    """GoogLeNet's and Inception v3's shape, small: its own forward branches on self.training,
+    returning auxiliary logits in torchvision's ``InceptionOutputs`` in train() only and
+    applying dropout before the classifier (p=0 by default, so train steps are deterministic)."""
+
+    def __init__(self, num_classes: int = 10, drop: float = 0.0) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(inplace=True))
+        self.block1 = nn.Sequential(nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.ReLU(inplace=True))
+        self.aux = nn.Sequential(nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(128, num_classes))
+        self.block2 = nn.Sequential(nn.Conv2d(32, 64, 3, stride=2, padding=1), nn.ReLU(inplace=True))
+        self.block3 = nn.Sequential(nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(inplace=True))
+        self.fc = nn.Linear(64, num_classes)
+        self.drop = drop
+
+    def forward(self, x: torch.Tensor) -> Any:
+        from torchvision.models.inception import InceptionOutputs
+
+        x = self.block1(self.stem(x))
+        aux = self.aux(x) if self.training else None
+        x = self.block3(self.block2(x))
+        x = nn.functional.dropout(x.mean((2, 3)), self.drop, self.training)
+        logits = self.fc(x)
+        return InceptionOutputs(logits, aux) if self.training else logits
+
+
+def aux_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+    """torchvision's recipe for GoogLeNet and Inception: the auxiliary loss weighted 0.4."""
+    if isinstance(output, torch.Tensor):
+        return nn.functional.cross_entropy(output, target)
+    return nn.functional.cross_entropy(output.logits, target) + 0.4 * nn.functional.cross_entropy(
+        output.aux_logits, target)
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "timm_vit": timm_vit,
     "timm_deit": timm_deit,

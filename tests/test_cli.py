@@ -108,3 +108,46 @@ def test_python_dash_m() -> None:
     assert result.returncode == 2, result.stderr
     assert result.stderr.startswith("autopipe: error: model spec 'no_such_package:build': cannot import")
     assert "Traceback" not in result.stderr
+
+
+def slow_net() -> nn.Module:
+    raise AssertionError("the model must not be built: the output path is checked first")
+
+
+@pytest.mark.parametrize("option", ["--figure", "--json"])
+def test_unwritable_output_is_refused_before_planning(option: str, tmp_path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "no_such_folder" / "plan.png"
+    assert main(["report", f"{__name__}:slow_net", "--pp", "2", "--batch", "8", option, str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"autopipe: error: {option} ") and "does not exist" in err
+    assert main(["report", f"{__name__}:slow_net", "--pp", "2", "--batch", "8", option, str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
+    if option == "--figure":
+        assert main(["report", f"{__name__}:slow_net", "--pp", "2", "--batch", "8", option,
+                     str(tmp_path / "plan.bmp")]) == 2
+        assert ".png, .svg or .pdf" in capsys.readouterr().err
+
+
+def test_an_internal_error_is_one_line_unless_traceback_is_asked(monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    import autopipe.cli
+
+    def bug(*args, **kwargs):
+        raise KeyError("stage 7")
+
+    monkeypatch.setattr(autopipe.cli, "plan_model", bug)
+    argv = ["report", TINY, "--pp", "2", "--batch", "8"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("autopipe: internal error: KeyError: 'stage 7'") and "--traceback" in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    with pytest.raises(KeyError):
+        main(argv + ["--traceback"])
+
+
+def test_help_describes_model_and_image_size_default(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["report", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "MODEL the model: timm:NAME, torchvision:NAME, hf:CLASS or package.module:factory" in text
+    assert "input height and width (default: the model's own" in text

@@ -17,6 +17,33 @@ def tiny_factory(width: int = 8) -> nn.Module:
     return nn.Sequential(nn.Linear(width, width), nn.ReLU())
 
 
+class Computing(nn.Module):
+    """Its constructor reads a tensor's value back, as torchvision's RegNets do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        width = int(torch.tensor([2.6]).round().item()) * 4
+        self.fc = nn.Linear(8, width)
+        self.register_buffer("scale", torch.arange(width, dtype=torch.float32))
+
+
+def computing_factory() -> nn.Module:
+    return Computing()
+
+
+def needs_a_package() -> nn.Module:
+    raise ImportError("Needs requires the natten library but it was not found in your environment.")
+
+
+class TokenModel(nn.Module):
+    """Takes token ids first, as transformers' ImageGPT does."""
+
+    main_input_name = "input_ids"
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return input_ids
+
+
 def not_a_model() -> int:
     return 3
 
@@ -58,6 +85,34 @@ def test_factory_and_real_weights() -> None:
     real = load_model(f"{__name__}:tiny_factory", meta=False)
     assert not on_meta(real) and torch.isfinite(real[0].weight).all()
     assert default_input(model, 3).shape == (3, 3, 224, 224)
+
+
+def test_constructor_that_computes_still_builds_on_meta() -> None:
+    # Under the meta device its .item() has no data to read; see [Note: constructors that compute].
+    with pytest.raises(RuntimeError, match="meta tensor"), torch.device("meta"):
+        Computing()
+    model = load_model(f"{__name__}:computing_factory")
+    assert model.fc.out_features == 12 and on_meta(model) and model.scale.is_meta
+    assert not nn.Linear(2, 2).weight.is_meta  # the patch is undone
+    regnet = load_model("torchvision:regnet_x_400mf")
+    assert on_meta(regnet) and all(b.is_meta for b in regnet.buffers())
+    assert sum(p.numel() for p in regnet.parameters()) == 5_495_976
+
+
+def test_torchvision_default_size_is_its_weights_smallest() -> None:
+    # Inception v3's auxiliary head needs 299 in train(); ViT-H/14's weights come at 518 and 224.
+    assert default_input(load_model("torchvision:inception_v3"), 1).shape == (1, 3, 299, 299)
+    assert default_input(load_model("torchvision:vit_h_14"), 1).shape == (1, 3, 224, 224)
+
+
+def test_a_missing_package_of_the_model_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"needs a package that is not installed: .*natten"):
+        load_model(f"{__name__}:needs_a_package")
+
+
+def test_a_model_that_takes_no_image_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"TokenModel takes 'input_ids', not an image batch.*example_inputs"):
+        default_input(TokenModel(), 2)
 
 
 def test_default_input_from_a_spec() -> None:

@@ -10,7 +10,9 @@ import torch.nn as nn
 from autopipe.errors import ConfigError
 from autopipe.partition.partitioner import partition
 from autopipe.partition.plan import CutTensor, PartitionPlan, StagePlan
-from autopipe.partition.report import format_cut, format_table, human_bytes, human_count, human_flops, plot
+from autopipe.partition.report import (
+    figure_title, format_cut, format_table, human_bytes, human_count, human_flops, plot, time_parts,
+)
 from autopipe.tracer import trace
 
 STAGE_KEYS = ("index", "cost", "params", "flops", "activation_bytes", "nodes", "cut_bytes")
@@ -113,3 +115,19 @@ def test_figure_written(plan: PartitionPlan, tmp_path, suffix: str) -> None:
 def test_figure_refuses_unknown_extension(plan: PartitionPlan, tmp_path) -> None:
     with pytest.raises(ConfigError, match=r"\.png, \.svg or \.pdf"):
         plot(plan, tmp_path / "plan.bmp")
+
+
+def test_figure_bars_add_up_to_the_stage_cost_the_mean_line_averages() -> None:
+    # Link-bound stage 0 (comm 3 ms > compute 1 ms), compute-bound stage 1; both add latency.
+    stages = [
+        StagePlan(i, i, 0, [f"a{i}"], ("a", "b"), 1, 4, 1.0, compute, comm, cost, 0, 0, [], [], 0)
+        for i, (compute, comm, cost) in enumerate([(0.001, 0.003, 0.0031), (0.004, 0.001, 0.0041)])
+    ]
+    hand = PartitionPlan("hand", "fx", 2, 1, 1, 8, 8, "cost", "h100", "1f1b", stages, 1.1, 2)
+    compute, exposed, latency = time_parts(hand)
+    assert compute == pytest.approx([1.0, 4.0]) and exposed == pytest.approx([2.0, 0.0])
+    assert latency == pytest.approx([0.1, 0.1])
+    for s, parts in zip(stages, zip(compute, exposed, latency)):
+        assert sum(parts) == pytest.approx(s.cost * 1e3)
+    assert figure_title(hand) == ("hand: 2 stages (pp 2 x chunks 1), tp 1, 8 micro-batches of 8, balance cost, "
+                                  "h100 profile")

@@ -164,6 +164,9 @@ def test_heads_not_divisible_names_layer_and_valid_tp() -> None:
         plan_sharding(t, 2)
     assert "layer 'blocks.1.attn'" in str(info.value)  # every problem, at once
     assert "accepts: 1, 3" in str(info.value)
+    # The fix in both spellings: parallelize's keyword and plan_sharding's.
+    assert "parallelize(..., shard_rules=[ShardRule('keep'" in str(info.value)
+    assert "plan_sharding(..., rules=[...])" in str(info.value)
 
 
 def test_split_that_does_not_fit_names_rule_parameter_and_shape() -> None:
@@ -284,7 +287,8 @@ def test_meta_model_plans_and_shards() -> None:
 
 def test_op_that_mixes_a_split_dim_is_refused_with_the_fix() -> None:
     t = trace(SumAfterColumn(), (torch.randn(2, 8),))
-    with pytest.raises(ShardingError, match=r"node 'sum_1'.*split dim.*keep 'fc' replicated"):
+    with pytest.raises(ShardingError, match=r"node 'sum_1'.*split dim.*keep 'fc' replicated.*"
+                                            r"parallelize\(\.\.\., shard_rules=.*plan_sharding\(\.\.\., rules="):
         plan_sharding(t, 2, rules=[ShardRule("col", match="fc", style="column")])
 
 

@@ -286,3 +286,78 @@ class _RootDropout(nn.Module):
 def test_export_rejects_mode_dependent_root() -> None:
     with pytest.raises(TraceError, match=r"train\(\) and eval\(\)"):
         trace(_RootDropout(), (torch.randn(B, 4),), route="export")
+
+
+class _Masked(nn.Module):
+    """timm's Hiera: ``forward(x, mask=None)`` branches on ``mask is not None``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+        if mask is not None:
+            x = x * mask.view(x.shape[0], 1)
+        return self.fc(x)
+
+
+def test_inputs_left_out_are_traced_at_their_defaults() -> None:
+    # fx would trace mask as a proxy, take the mask branch, and fail on None at propagation.
+    # **kwargs (transformers' forwards end with one) is bound empty.
+    model, x = _Masked(), torch.randn(B, 4)
+    traced = trace(model, (x,))
+    assert traced.route == "fx"
+    assert [n.target for n in traced.gm.graph.nodes if n.op == "placeholder"] == ["x"]
+    assert "view" not in {n.target for n in traced.gm.graph.nodes}
+    torch.testing.assert_close(traced.gm(x)[0], model(x))
+
+
+class _WeightStandardised(nn.Conv2d):
+    """transformers' Bit: batch statistics of the weight itself, in both modes."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = F.batch_norm(self.weight.reshape(1, self.out_channels, -1), None, None, training=True,
+                         momentum=0.0, eps=1e-6).reshape_as(self.weight)
+        with torch.no_grad():  # export keeps this region as a higher-order op with a graph body
+            shift = torch.ones(1)
+        return F.conv2d(x, w, self.bias, self.stride, self.padding) + shift
+
+
+def test_export_takes_batch_statistics_without_running_statistics() -> None:
+    model, x = nn.Sequential(_WeightStandardised(3, 4, 3), nn.ReLU()), _image()
+    traced = trace(model, (x,), route="export")
+    for training in (False, True):
+        model.train(training)
+        torch.testing.assert_close(traced.unflatten_output(traced.gm(x)), model(x))
+
+
+class _CachedBias(nn.Module):
+    """timm's LeViT attention: in eval mode it caches a tensor computed in forward, per device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.bias = nn.Linear(4, 4), nn.Parameter(torch.ones(4))
+        self.cache: dict[str, torch.Tensor] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            return self.fc(x) + self.bias * 2
+        key = str(x.device)
+        if key not in self.cache:
+            self.cache[key] = self.bias * 2
+        return self.fc(x) + self.cache[key]
+
+
+def test_tracing_leaves_no_proxy_or_fake_tensor_in_the_model() -> None:
+    # See [Note: caches filled while tracing]: fx would leave a proxy, shape propagation a fake
+    # tensor in the cache, and the model would return fake tensors from then on.
+    model, x = nn.Sequential(_CachedBias(), nn.ReLU()).eval(), torch.randn(B, 4)
+    expected = model(x).detach()
+    model[0].cache.clear()
+    for _ in range(2):  # a second trace must not meet the first one's proxies
+        traced = trace(model, (x,))
+        assert model[0].cache == {}
+    got = model(x)
+    assert type(got) is torch.Tensor
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(traced.unflatten_output(traced.gm(x)), expected)

@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 
 from autopipe.errors import ConfigError
 from autopipe.graph import tensor_bytes, tensor_values, value_bytes, value_of
-from autopipe.tracer.fx_route import trace_fx
+from autopipe.tracer.fx_route import in_mode, trace_fx
 from autopipe.tracer.shapes import to_meta
 
 __all__ = [
@@ -581,9 +581,9 @@ def _node_cost(gm: fx.GraphModule, node: fx.Node, params: list[nn.Parameter]) ->
 # opaque: the sequence route's items (ResNet's layer1, an nn.Sequential of Bottlenecks), a
 # user's leaf_modules, or a module whose forward branches on self.training (timm's Swin
 # WindowAttention, LeViT's Attention). It is priced by what it runs: the module alone is
-# traced with the fx route's leaves, in its current mode and with its non-tensor arguments
-# fixed (``mask=None``), the node's input values (meta tensors) are propagated through it on
-# the meta device, and every inner node is costed by the rules above. Its totals (FLOPs, bytes,
+# traced with the fx route's leaves, in train mode and with its non-tensor arguments fixed
+# (``mask=None``), the node's input values (meta tensors) are propagated through it on the
+# meta device, and every inner node is costed by the rules above. Its totals (FLOPs, bytes,
 # saved bytes) are the inner sums, so it costs what the fx graph of the same block costs;
 # its parameters are its own, all of them (see _owned_params); out_bytes is its output.
 # One summed NodeCost would need one kind, and a block mixing convs (matmul units) with
@@ -642,11 +642,12 @@ def _composite_parts(node: fx.Node, module: nn.Module) -> tuple[NodeCost, ...] |
     key = _inputs_key(module, inputs)
     if key not in cache:
         modes = {m: m.training for m in module.modules()}
-        # In its current mode (attention leaves branch on self.training), non-tensor inputs
-        # fixed (Swin's mask=None): one call is priced, not run in both modes.
+        # In train mode (what a train step runs; LeViT's attention reads a cache in eval mode
+        # that fx cannot trace), non-tensor inputs fixed (Swin's mask=None).
         concrete = {k: v for k, v in bound.items() if not isinstance(v, torch.Tensor)}
         try:
-            inner = trace_fx(module, both_modes=False, concrete_args=concrete)
+            with in_mode(module, True):
+                inner = trace_fx(module, both_modes=False, concrete_args=concrete)
             _MetaPropagator(inner).run(*inputs)
         except Exception:  # untraceable, data-dependent, ...: the unknown-leaf fallback
             cache[key] = None

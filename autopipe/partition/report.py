@@ -13,7 +13,8 @@ from ..errors import ConfigError
 if TYPE_CHECKING:
     from .plan import CutTensor, PartitionPlan, StagePlan
 
-__all__ = ["format_table", "plot", "human_count", "human_flops", "human_bytes", "format_cut"]
+__all__ = ["format_table", "plot", "check_figure_path", "time_parts", "figure_title", "human_count",
+           "human_flops", "human_bytes", "format_cut"]
 
 # A cut listed tensor by tensor while it has this many tensors and fits in this many characters;
 # past that the cell says "5 tensors, 1.5 MiB" so one long residual list cannot widen the table.
@@ -176,23 +177,18 @@ def _in_flight(plan: PartitionPlan) -> int:
 
 
 def plot(plan: PartitionPlan, path: str | os.PathLike[str]) -> None:
-    """Draw per-stage time (compute + communication, mean line) and memory; format from ``path``.
+    """Draw per-stage time (compute, exposed communication and latency, whose sum the mean line
+    averages) and memory; format from ``path``.
 
     ``.png``, ``.svg`` and ``.pdf`` work; the figure is drawn without pyplot, so it neither needs
     a display nor changes the caller's matplotlib backend.
     """
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError as exc:
-        raise ConfigError("plotting a plan needs matplotlib: pip install 'autopipe[report]'") from exc
-    ext = os.path.splitext(os.fspath(path))[1].lower().lstrip(".")
-    if ext not in ("png", "svg", "pdf"):
-        raise ConfigError(f"figure path {os.fspath(path)!r} must end in .png, .svg or .pdf")
+    ext = check_figure_path(path)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     x = [s.index for s in plan.stages]
-    compute = [s.compute_time * 1e3 for s in plan.stages]
-    comm = [s.comm_time * 1e3 for s in plan.stages]
+    compute, exposed, latency = time_parts(plan)
     mean = sum(s.cost for s in plan.stages) * 1e3 / max(len(plan.stages), 1)
     in_flight = _in_flight(plan)
     activations = [s.activation_bytes * in_flight / 2**30 for s in plan.stages]
@@ -203,7 +199,9 @@ def plot(plan: PartitionPlan, path: str | os.PathLike[str]) -> None:
     FigureCanvasAgg(fig)
     ax_time, ax_mem = fig.subplots(1, 2)
     ax_time.bar(x, compute, label="compute", color="#4c72b0")
-    ax_time.bar(x, comm, bottom=compute, label="communication", color="#dd8452")
+    ax_time.bar(x, exposed, bottom=compute, label="communication beyond compute", color="#dd8452")
+    ax_time.bar(x, latency, bottom=[c + e for c, e in zip(compute, exposed)], label="transfer latency",
+                color="#8172b3")
     ax_time.axhline(mean, color="black", linestyle="--", linewidth=1, label=f"mean {mean:.2f} ms")
     modelled = [s.analytic_time * 1e3 for s in plan.stages]
     if any(modelled) and (plan.cost_source or {}).get("source") == "measured":
@@ -218,9 +216,34 @@ def plot(plan: PartitionPlan, path: str | os.PathLike[str]) -> None:
     for ax in (ax_time, ax_mem):
         ax.set_xticks(x)
         ax.legend(fontsize="small")
-    fig.suptitle(
-        f"{plan.model}: pp {plan.pp} x chunks {plan.chunks} x tp {plan.tp}, {plan.microbatches} x "
-        f"{plan.microbatch_size}, balance {plan.balance}, {plan.device}",
-        fontsize="medium",
-    )
+    fig.suptitle(figure_title(plan), fontsize="medium")
     fig.savefig(path, format=ext)
+
+
+def check_figure_path(path: str | os.PathLike[str]) -> str:
+    """The figure format ``path`` names (png, svg, pdf), once matplotlib is known to be there."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError("plotting a plan needs matplotlib: pip install 'autopipe[report]'") from exc
+    ext = os.path.splitext(os.fspath(path))[1].lower().lstrip(".")
+    if ext not in ("png", "svg", "pdf"):
+        raise ConfigError(f"figure path {os.fspath(path)!r} must end in .png, .svg or .pdf")
+    return ext
+
+
+def time_parts(plan: PartitionPlan) -> tuple[list[float], list[float], list[float]]:
+    """Each stage's modelled time in ms as the balancer counts it, in three parts that add up to
+    ``StagePlan.cost`` (max(compute, comm) + latency; see [Note: communication in the stage
+    cost]): compute, the communication compute does not hide, and the transfers' latency."""
+    compute = [s.compute_time * 1e3 for s in plan.stages]
+    exposed = [max(s.comm_time - s.compute_time, 0.0) * 1e3 for s in plan.stages]
+    latency = [max(s.cost - max(s.compute_time, s.comm_time), 0.0) * 1e3 for s in plan.stages]
+    return compute, exposed, latency
+
+
+def figure_title(plan: PartitionPlan) -> str:
+    stages = plan.pp * plan.chunks
+    return (f"{plan.model}: {stages} stages (pp {plan.pp} x chunks {plan.chunks}), tp {plan.tp}, "
+            f"{plan.microbatches} micro-batch{'es' if plan.microbatches != 1 else ''} of "
+            f"{plan.microbatch_size}, balance {plan.balance}, {plan.device} profile")

@@ -6,6 +6,7 @@ the steps, and leaves parameter gradients of the mean loss in ``.grad`` on every
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -27,7 +28,7 @@ from autopipe.runtime.streams import posting_order
 from autopipe.runtime.timeline import Timeline
 from autopipe.runtime.warmup import warm_up
 
-__all__ = ["PipelineDriver"]
+__all__ = ["PipelineDriver", "StageSet"]
 
 # pp: pipeline ranks; m: micro-batches; S = pp * chunks stages, stage s on rank s % pp.
 F, B = ActionKind.FORWARD, ActionKind.BACKWARD
@@ -39,6 +40,18 @@ _LABELS = {  # how errors name a transfer; completed with "pipeline rank <peer>"
     ActionKind.RECV_GRAD: "receive of the gradient of stage {s}'s output (micro-batch {mb}) from",
 }
 Step = tuple[Callable[[Any, Any], None], Any, Any]
+
+
+@dataclass
+class StageSet:
+    """The stages of one graph with the tensors between them (``boundary_specs[k]``: between
+    stages k and k + 1, one micro-batch), what makes the model's output of the last one's, and
+    the stages at other micro-batch sizes (``variants``; see [Note: other batch sizes])."""
+
+    stages: dict[int, nn.Module]
+    boundary_specs: Sequence[Sequence[TensorSpec]]
+    postprocess: Callable[[tuple[torch.Tensor, ...]], Any]
+    variants: Callable[[int], Shapes] | None = None
 
 
 class PipelineDriver:
@@ -58,6 +71,9 @@ class PipelineDriver:
     (see [Note: other batch sizes]); with it, batches of any size run, split as ``split`` says
     in training ([Note: batch splits]) and unevenly in evaluation. A rank that passes neither
     inputs nor targets then runs the planned size, so every rank should pass the inputs.
+    ``eval_set`` holds the stages of the model's eval-mode graph where it has one (see [Note:
+    one graph per mode] in autopipe/partition/mode_plan.py): :meth:`train` switches between
+    the two sets, and ``training`` says which one runs first.
     """
 
     def __init__(
@@ -84,26 +100,31 @@ class PipelineDriver:
         variants: Callable[[int], Shapes] | None = None,
         split: str = "equal",
         monitor: FailureMonitor | None = None,
+        eval_set: StageSet | None = None,
+        training: bool = True,
     ) -> None:
         validate(schedule, pp, microbatches, chunks)
         if split not in SPLITS:
             raise ConfigError(f"split={split!r}; use one of {', '.join(map(repr, SPLITS))}")
         n = pp * chunks
-        _check_layout(stages, boundary_specs, pp, chunks, pp_rank, pp_group)
-        self.stages = stages
+        self._sets = {True: StageSet(stages, boundary_specs, postprocess, variants)}
+        if eval_set is not None:
+            self._sets[False] = eval_set
+        for stage_set in self._sets.values():
+            _check_layout(stage_set.stages, stage_set.boundary_specs, pp, chunks, pp_rank, pp_group)
         self.pp, self.chunks, self.pp_rank, self.group = pp, chunks, pp_rank, pp_group
         self.schedule, self.microbatches = schedule, microbatches
-        self.loss_fn, self.postprocess = loss_fn, postprocess
+        self.loss_fn = loss_fn
         self.device = torch.device(device)
         self.timeline, self.input_specs = timeline, input_specs
         self._last = n - 1
-        self._specs = [list(b) for b in boundary_specs]
         self.split = split
-        # Stages and specs per micro-batch size; see [Note: other batch sizes].
-        self.shapes = BatchShapes(stages, self._specs, input_specs, variants)
+        # Stages and specs per mode and micro-batch size; see [Note: other batch sizes].
+        self._shapes_of = {mode: BatchShapes(st.stages, st.boundary_specs, input_specs, st.variants)
+                           for mode, st in self._sets.items()}
+        self._graphs_of: dict[bool, dict[int, StageGraphs]] = {mode: {} for mode in self._sets}
         self._programs: dict[tuple[str, int], list[Step]] = {}
-        self._in_float = {s: floating_indices(self._specs[s - 1]) if s else () for s in stages}
-        self._out_float = {s: floating_indices(self._specs[s]) if s < n - 1 else () for s in stages}
+        self._activate(training)
         self.p2p = P2P(pp_group, links if links is not None else _own_links(pp_group)) if pp > 1 else None
         self.pool = BufferPool(self.device)
         # CPU tensors travel over gloo, whose p2p works finish only inside wait().
@@ -119,7 +140,6 @@ class PipelineDriver:
             raise ConfigError("cuda_graphs=True needs CUDA stages, a training schedule and the model's "
                               "input specs; pass cuda_graphs=False")
         self.cuda_graphs = cuda_graphs
-        self._graphs: dict[int, StageGraphs] = {}  # captured at the first train step
         self.warm_up_stages = warm_up_stages
         self._warm: set[tuple] = set()  # (stage, micro-batch size, training, grad) already run
         self._slot: dict[tuple[int, int], int] = {}
@@ -136,9 +156,23 @@ class PipelineDriver:
                 self.p2p.connect(self._links_used(), self.device, self.monitor.wait)
 
     def train(self, mode: bool = True) -> PipelineDriver:
-        """Sets train/eval mode of every local stage (dropout, batch norm), at every batch size."""
-        self.shapes.train(mode)
+        """Sets train/eval mode of every local stage (dropout, batch norm), at every batch size,
+        and runs the stages of that mode's graph from now on where the model has one per mode."""
+        for shapes in self._shapes_of.values():
+            shapes.train(mode)
+        self._activate(mode)
         return self
+
+    def _activate(self, training: bool) -> None:
+        """Run the stage set of this mode: its stages, boundaries, outputs and CUDA graphs."""
+        mode = training if training in self._sets else True
+        active, self._mode = self._sets[mode], mode  # receive buffers are pooled per mode
+        n = self._last + 1
+        self.stages, self.postprocess, self.shapes = active.stages, active.postprocess, self._shapes_of[mode]
+        self._specs = [list(b) for b in active.boundary_specs]
+        self._in_float = {s: floating_indices(self._specs[s - 1]) if s else () for s in self.stages}
+        self._out_float = {s: floating_indices(self._specs[s]) if s < n - 1 else () for s in self.stages}
+        self._graphs = self._graphs_of[mode]  # captured at the set's first train step
 
     def microbatch_sizes(self, batch: int, *, training: bool = True) -> list[int]:
         """The micro-batch sizes a batch of ``batch`` samples runs as (see [Note: batch splits]):
@@ -149,9 +183,11 @@ class PipelineDriver:
         return microbatch_sizes(batch, self.microbatches, self.split if training else "uneven")
 
     def parameters(self) -> Iterator[nn.Parameter]:
-        """Parameters of the local stages, for the optimizer."""
-        for s in sorted(self.stages):
-            yield from self.stages[s].parameters()
+        """Parameters of the local stages, for the optimizer (those of the train-mode graph's
+        stages, which the eval-mode graph's share)."""
+        stages = self._sets[True].stages
+        for s in sorted(stages):
+            yield from stages[s].parameters()
 
     def train_step(self, inputs: Sequence[torch.Tensor] | None, targets: Any = None, *,
                    return_outputs: bool = False) -> Any:
@@ -375,9 +411,9 @@ class PipelineDriver:
         elif bufs is not None:
             self.pool.release(("act", s, self._size(mb)), bufs, live=outputs)
 
-    def _size(self, mb: int) -> int | None:
-        """Micro-batch ``mb``'s size as buffer pools key it (None: the planned size)."""
-        return self.shapes.key(self._sizes[mb]) if self._sizes is not None else None
+    def _size(self, mb: int) -> tuple[bool, int | None]:
+        """Micro-batch ``mb``'s mode and size as buffer pools key them (None: the planned size)."""
+        return self._mode, self.shapes.key(self._sizes[mb]) if self._sizes is not None else None
 
     def _backward(self, s: int, mb: int) -> None:
         args, roots, bufs, outputs = self._saved.pop((s, mb))

@@ -122,8 +122,9 @@ class _Propagator:
         split = next((self.of(a) for a in node.all_input_nodes if isinstance(self.of(a), Sharded)), None)
         origin = split.origin if isinstance(split, Sharded) else ""
         where = node.meta.get(MODULE_KEY) or "the model's top level"
-        fix = (f" Fix: keep '{origin}' replicated, e.g. plan_sharding(..., rules=[ShardRule("
-               f"'keep', match='{origin}', style='replicated')]), or add a rule for this op." if origin else "")
+        fix = (f" Fix: keep '{origin}' replicated, e.g. parallelize(..., shard_rules=[ShardRule("
+               f"'keep', match='{origin}', style='replicated')]) (plan_sharding(..., rules=[...]) when "
+               "planning alone), or add a rule for this op." if origin else "")
         raise ShardingError(f"cannot shard node '{node.name}' ({node.op} {ops.op_name(node) if node.op != 'call_module' else node.target}) "
                             f"in {where}: {why}.{fix}")
 

@@ -173,8 +173,8 @@ def plan_sharding(traced: TracedModel, tp: int, rules: Sequence[ShardRule] | Non
         raise ShardingError(
             f"cannot shard {type(gm).__name__} over tp={tp}:\n" + "\n".join(f"  - {p}" for p in problems)
             + f"\ntp values every sharded layer of this model accepts: {', '.join(map(str, _divisors(g)))}. "
-            "Or keep a layer replicated: plan_sharding(..., rules=[ShardRule('keep', match='<module path>', "
-            "style='replicated')])"
+            "Or keep a layer replicated: parallelize(..., shard_rules=[ShardRule('keep', match='<module path>', "
+            "style='replicated')]) (plan_sharding(..., rules=[...]) when planning alone)"
         )
     every = list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False))
     for name, t in every:

@@ -124,12 +124,25 @@ def _out_of_place(graph: fx.Graph) -> None:
         graph.erase_node(n)
 
 
+def _argument(node: fx.Node, name: str) -> tuple[bool, Any]:
+    """(whether the op takes ``name``, its value in this call)."""
+    for i, a in enumerate(node.target._schema.arguments):  # type: ignore[union-attr]
+        if a.name == name:
+            return True, node.kwargs.get(name, node.args[i] if i < len(node.args) else a.default_value)
+    return False, None
+
+
 def _train_flag(node: fx.Node) -> bool:
     arg = _TRAIN_ARG.get(_op(node) or "")
-    for i, a in enumerate(node.target._schema.arguments if arg else ()):  # type: ignore[union-attr]
-        if a.name == arg:
-            return bool(node.kwargs.get(arg, node.args[i] if i < len(node.args) else a.default_value))
-    return False
+    if not arg:
+        return False
+    found, flag = _argument(node, arg)
+    if found and flag and arg == "training":
+        # Batch statistics with no running statistics to switch to (transformers' weight-
+        # standardised convolutions normalise their weight so) are the same in both modes.
+        stats = [_argument(node, n) for n in ("running_mean", "running_var")]
+        return any(taken and value is not None for taken, value in stats)
+    return bool(flag)
 
 
 def _check_modes(graph: fx.Graph, changed: set[str], leaves: set[str], failed: dict[str, str]) -> None:
@@ -162,7 +175,10 @@ def _graph_module(model: nn.Module, graph: fx.Graph, exported: fx.GraphModule) -
         value = resolve_attr(model, n.target)  # a plain tensor attribute, or a constant export lifted
         if value is None:
             value, n.target = resolve_attr(exported, n.target), f"_autopipe_constant_{i}"
-        root.register_buffer(n.target, value, persistent=False)
+        if isinstance(value, nn.Module):  # the body of a higher-order op (cond, flex attention's mask)
+            root.add_module(n.target, value)
+        else:
+            root.register_buffer(n.target, value, persistent=False)
     gm = fx.GraphModule(root, graph, class_name=type(model).__name__)
     gm.training = model.training  # not gm.train(): that would reset the shared leaves' own modes
     keep_buffer_persistence(gm, model)

@@ -4,11 +4,13 @@ Leaves are the modules autopipe reasons about as a whole (``nn.Linear``, convolu
 ``nn.MultiheadAttention``...): every module of the ``torch.nn`` namespace as fx does by default,
 the modules timm registers as untraceable, every module whose traced graph differs between
 ``train()`` and ``eval()`` (stochastic depth with p > 0, say: so one graph serves both modes),
-and whatever the user adds.
+and whatever the user adds. A model whose own forward branches on ``self.training`` gets one
+graph per mode (:func:`trace_fx_modes`).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Sequence
+import contextlib
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.fx as fx
@@ -17,7 +19,7 @@ import torch.nn as nn
 from ..errors import TraceError
 from ..graph import MODULE_KEY
 
-__all__ = ["LeafSpec", "LeafTracer", "trace_fx", "default_autowrap_functions"]
+__all__ = ["LeafSpec", "LeafTracer", "trace_fx", "trace_fx_modes", "in_mode", "default_autowrap_functions"]
 
 # A leaf is named by a module type or by a qualified-name prefix ("blocks.3.attn").
 LeafSpec = type | str
@@ -97,20 +99,31 @@ def _signatures_by_module(graph: fx.Graph) -> dict[str, list[str]]:
     return out
 
 
-def _mode_dependent_modules(model: nn.Module, leaves: Sequence[LeafSpec], autowrap: Sequence[Callable]) -> list[str]:
+@contextlib.contextmanager
+def in_mode(model: nn.Module, training: bool) -> Iterator[None]:
+    """``model.train(training)`` for a while; every module gets its own flag back after (a
+    frozen norm inside a training model stays frozen)."""
+    flags = {m: m.training for m in model.modules()}
+    model.train(training)
+    try:
+        yield
+    finally:
+        for m, flag in flags.items():
+            m.training = flag
+
+
+def _mode_dependent_modules(model: nn.Module, leaves: Sequence[LeafSpec], autowrap: Sequence[Callable],
+                            concrete_args: dict[str, Any] | None = None) -> list[str]:
     """Modules whose traced graph differs between train() and eval(): they must become leaves.
 
     fx evaluates ``self.training`` at trace time, so a module that branches on it would be
     frozen in one mode; as a leaf it runs its own forward and follows ``model.train(mode)``.
+    ``""`` (the model itself) is among them when its own forward differs.
     """
-    was_training = model.training
-    try:
-        model.train(True)
-        train = _signatures_by_module(_trace_once(model, leaves, autowrap))
-        model.train(False)
-        evaluation = _signatures_by_module(_trace_once(model, leaves, autowrap))
-    finally:
-        model.train(was_training)
+    with in_mode(model, True):
+        train = _signatures_by_module(_trace_once(model, leaves, autowrap, concrete_args))
+    with in_mode(model, False):
+        evaluation = _signatures_by_module(_trace_once(model, leaves, autowrap, concrete_args))
     differing = [m for m in train.keys() | evaluation.keys() if train.get(m) != evaluation.get(m)]
     # Keep the outermost of nested differing modules: the leaf swallows its children.
     differing.sort(key=len)
@@ -119,6 +132,16 @@ def _mode_dependent_modules(model: nn.Module, leaves: Sequence[LeafSpec], autowr
         if not any(m == c or m.startswith(c + ".") for c in chosen):
             chosen.append(m)
     return chosen
+
+
+def _graph_module(model: nn.Module, graph: fx.Graph) -> fx.GraphModule:
+    gm = fx.GraphModule(model, graph, class_name=type(model).__name__)
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            node.meta[MODULE_KEY] = node.target
+        else:
+            node.meta[MODULE_KEY] = _innermost_module(node)
+    return gm
 
 
 def trace_fx(
@@ -132,24 +155,45 @@ def trace_fx(
     """Symbolically trace ``model``; raises whatever fx raises (the caller reports it).
 
     With ``both_modes`` the graph serves train() and eval() alike (modules whose graph differs
-    between them become leaves; a root that differs is refused); without, the model is traced
-    as it is, in its current mode (the cost model reads such graphs; nothing runs them).
-    ``concrete_args`` fixes non-tensor inputs (``mask=None``) as fx's own argument does.
+    between them become leaves; a root that differs is refused: see :func:`trace_fx_modes`);
+    without, the model is traced as it is, in its current mode (the cost model reads such
+    graphs; nothing runs them). ``concrete_args`` fixes non-tensor inputs (``mask=None``) as
+    fx's own argument does.
     """
     leaves = list(leaf_modules)
     if both_modes:
-        dependent = _mode_dependent_modules(model, leaves, autowrap_functions)
+        dependent = _mode_dependent_modules(model, leaves, autowrap_functions, concrete_args)
         if "" in dependent:
             raise TraceError(
                 f"{type(model).__name__}.forward itself branches on self.training, so one traced graph "
-                "cannot serve train() and eval(); move that branch into a submodule or use another route"
+                "cannot serve train() and eval(); trace it with trace_fx_modes (one graph per mode)"
             )
         leaves += dependent
-    graph = _trace_once(model, leaves, autowrap_functions, concrete_args)
-    gm = fx.GraphModule(model, graph, class_name=type(model).__name__)
-    for node in gm.graph.nodes:
-        if node.op == "call_module":
-            node.meta[MODULE_KEY] = node.target
-        else:
-            node.meta[MODULE_KEY] = _innermost_module(node)
-    return gm
+    return _graph_module(model, _trace_once(model, leaves, autowrap_functions, concrete_args))
+
+
+def trace_fx_modes(
+    model: nn.Module,
+    leaf_modules: Iterable[LeafSpec] = (),
+    autowrap_functions: Sequence[Callable] = (),
+    *,
+    concrete_args: dict[str, Any] | None = None,
+) -> tuple[fx.GraphModule, fx.GraphModule | None]:
+    """The graph of train() mode, and the graph of eval() mode where the model's own forward
+    branches on ``self.training`` (None where one graph serves both modes).
+
+    Submodules whose graph differs between the modes are leaves in both graphs, as in
+    :func:`trace_fx`; so the two graphs differ only in what the model's forward does itself
+    (GoogLeNet's auxiliary heads, a dropout before the classifier). See [Note: one graph per
+    mode] in autopipe/partition/mode_plan.py.
+    """
+    leaves = list(leaf_modules)
+    dependent = _mode_dependent_modules(model, leaves, autowrap_functions, concrete_args)
+    leaves += [m for m in dependent if m]
+    if "" not in dependent:
+        return _graph_module(model, _trace_once(model, leaves, autowrap_functions, concrete_args)), None
+    graphs = []
+    for training in (True, False):
+        with in_mode(model, training):
+            graphs.append(_graph_module(model, _trace_once(model, leaves, autowrap_functions, concrete_args)))
+    return graphs[0], graphs[1]
