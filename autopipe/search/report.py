@@ -5,8 +5,7 @@ import os
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from autopipe.errors import ConfigError
-from autopipe.partition.report import human_bytes
+from autopipe.partition.report import check_figure_path, human_bytes
 
 if TYPE_CHECKING:
     from .search import SearchResult
@@ -41,14 +40,10 @@ def format_search(result: SearchResult, top: int = 12, refused: int = 12) -> str
 def plot_search(result: SearchResult, path: str | os.PathLike[str], top: int = 10) -> None:
     """Predicted throughput of the top layouts, and the chosen layout's timeline (one row per
     pipeline rank, forwards light, backwards dark)."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError as exc:
-        raise ConfigError("plotting a search needs matplotlib: pip install 'autopipe[report]'") from exc
-    ext = os.path.splitext(os.fspath(path))[1].lower().lstrip(".")
-    if ext not in ("png", "svg", "pdf"):
-        raise ConfigError(f"figure path {os.fspath(path)!r} must end in .png, .svg or .pdf")
+    ext = check_figure_path(path)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     shown = result.ranked[:top]
     fig = Figure(figsize=(13, 4.8), layout="constrained")
     FigureCanvasAgg(fig)
