@@ -35,7 +35,7 @@ from .partition.mode_plan import follow_plan
 from .partition.partitioner import partition
 from .partition.plan import PartitionPlan
 from .runtime.batchnorm import BatchNormStats, check_batchnorm
-from .runtime.failure import FailureMonitor
+from .failure.monitor import FailureMonitor
 from .runtime.microbatch import SPLITS
 from .runtime.schedule import SCHEDULES, validate
 from .tracer import TracedModel, trace

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch.distributed as dist
 
 from .errors import CheckpointError
-from .runtime.failure import DEFAULT_DEADLINE, active, brief
+from .failure.monitor import DEFAULT_DEADLINE, active, brief
 
 if TYPE_CHECKING:
     from .model import ParallelModel

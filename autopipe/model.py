@@ -26,8 +26,8 @@ from .partition.mlp_pieces import merge_pieces, take_piece
 from .partition.plan import PartitionPlan
 from .runtime.batchnorm import BatchNormStats
 from .runtime.driver import PipelineDriver, StageSet
-from .runtime.failure import FailureMonitor, synced, wait_works
-from .runtime.objects import all_gather_objects
+from .failure.monitor import FailureMonitor, synced, wait_works
+from .failure.objects import all_gather_objects
 from .runtime.p2p import TensorSpec
 from .runtime.timeline import Timeline
 from .runtime.weight_casts import WeightCasts

@@ -2,7 +2,7 @@
 gradient-norm clipping, and the fp16 dynamic loss scale whose skip decision every rank shares.
 
 Their collectives wait through the active failure monitor, so that a failed peer raises
-instead of hanging (see [Note: collective waits] in runtime/failure.py).
+instead of hanging (see [Note: collective waits] in failure/monitor.py).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from .runtime.failure import synced, wait_works
+from .failure.monitor import synced, wait_works
 
 __all__ = ["average_gradients", "sum_gradients", "global_grad_norm", "clip_gradients", "LossScaler"]
 

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import autopipe
 from autopipe.errors import InputError, PipelineFailure
 from autopipe.runtime import PipelineDriver
-from autopipe.runtime.failure import FailureMonitor, failure_key
+from autopipe.failure.monitor import FailureMonitor, failure_key
 from tests import failing_job as job
 from tests.distributed import DistributedTestError, RankError, run_distributed
 from tests.test_driver import Net, batch, boundary_specs, loss_fn, make_stages, postprocess

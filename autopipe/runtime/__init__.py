@@ -4,7 +4,6 @@ Schedules are plain data (:mod:`.schedule`); :class:`PipelineDriver` runs one ra
 one over p2p, with failure propagation, micro-batching and an optional :class:`Timeline`.
 """
 from autopipe.runtime.driver import PipelineDriver
-from autopipe.runtime.failure import FailureMonitor
 from autopipe.runtime.microbatch import merge, nearest_divisible, split_inputs, split_targets
 from autopipe.runtime.p2p import P2P, BufferPool, TensorSpec
 from autopipe.runtime.schedule import (
@@ -30,7 +29,6 @@ __all__ = [
     "TensorSpec",
     "P2P",
     "BufferPool",
-    "FailureMonitor",
     "split_inputs",
     "split_targets",
     "merge",

@@ -18,7 +18,7 @@ from torch.utils import _pytree as pytree
 from autopipe.errors import ConfigError, InputError, ScheduleError
 from autopipe.runtime.batch_shapes import BatchShapes, Shapes
 from autopipe.runtime.graphs import StageGraphs, slots_per_stage
-from autopipe.runtime.failure import DEFAULT_DEADLINE, FailureMonitor, failure_key
+from autopipe.failure.monitor import DEFAULT_DEADLINE, FailureMonitor, failure_key
 from autopipe.runtime.microbatch import SPLITS, batch_size, merge, microbatch_sizes, split_inputs, split_targets
 from autopipe.runtime.p2p import (
     P2P, BufferPool, Link, TensorSpec, Transfer, check_boundary, floating_indices, link_groups,

@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..errors import ConfigError
-from ..runtime.failure import FailureMonitor, active
+from ..failure.monitor import FailureMonitor, active
 
 __all__ = [
     "COLLECTIVES",
@@ -75,7 +75,7 @@ def resolve_group(name: str | None) -> TPGroup | None:
 # inductor may move the waits past independent work. Eagerly, ``wait_tensor`` makes the
 # current CUDA stream wait (NCCL) or blocks until done (gloo), as ``async_op=False`` would.
 # Eagerly on gloo, where waits block the host, they go through the step's failure monitor
-# instead (see [Note: collective waits] in runtime/failure.py).
+# instead (see [Note: collective waits] in failure/monitor.py).
 _C10D = torch.ops._c10d_functional
 _PROCESS_GROUPS: dict[str, tuple[dist.ProcessGroup, str]] = {}
 

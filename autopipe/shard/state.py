@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import CheckpointError
-from ..runtime.failure import wait_works
+from ..failure.monitor import wait_works
 from .plan import ParamShard, ShardPlan, SplitFn
 
 __all__ = ["shard_tensor", "merge_shards", "shard_state_dict", "gather_full_state_dict"]

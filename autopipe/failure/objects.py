@@ -3,7 +3,7 @@
 ``torch.distributed.all_gather_object`` blocks in C++ until every rank answers; this one posts
 the same two all-gathers (sizes, then padded bytes) and waits through the active failure
 monitor, so a failed or absent rank raises PipelineFailure instead of hanging (see
-[Note: collective waits] in failure.py).
+[Note: collective waits] in monitor.py).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autopipe.runtime.failure import synced, wait_works
+from autopipe.failure.monitor import synced, wait_works
 
 __all__ = ["all_gather_objects"]
 

@@ -1,5 +1,5 @@
 """Threads that wait for works which complete only inside ``wait()`` (gloo's send/recv), so
-that the caller can watch for failures meanwhile; see [Note: failure propagation] in failure.py.
+that the caller can watch for failures meanwhile; see [Note: failure propagation] in monitor.py.
 """
 from __future__ import annotations
 

@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _get_default_store
 
 from autopipe.errors import AutopipeError, PipelineFailure
-from autopipe.runtime import exit_hook
-from autopipe.runtime.waiter import Pending, Ticket, Waiter
+from autopipe.failure import exit_hook
+from autopipe.failure.waiter import Pending, Ticket, Waiter
 
 __all__ = [
     "FailureMonitor", "Pending", "failure_key", "active", "brief", "host_waits", "wait_works", "synced",
