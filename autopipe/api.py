@@ -23,23 +23,20 @@ import torch.nn as nn
 from torch.torch_version import TorchVersion
 
 from .agreement import agree
-from .emit import emit_stages, share_state
 from .errors import ConfigError, PartitionError, ShardingError
 from .measure import MeasureOptions, RunSetup, measured_plan
 from .partition.device import execution_mode, get_profile
 from .partition.measured import MeasuredCosts
 from .mesh import ParallelDims, build_mesh, default_device
 from .model import ModeStages, ParallelModel, StageRuntime
-from .partition.mlp_pieces import split_mlps as cut_mlps
-from .partition.mode_plan import follow_plan
-from .partition.partitioner import partition
 from .partition.plan import PartitionPlan
 from .runtime.batchnorm import BatchNormStats, check_batchnorm
 from .failure.monitor import FailureMonitor
 from .runtime.microbatch import SPLITS
 from .runtime.schedule import SCHEDULES, validate
 from .tracer import TracedModel, trace
-from .variants import export_retracer, meta_copy, planned_size_only
+from .stages import emit_stages, follow_plan, plan_stages, share_state, split_mlps as cut_mlps
+from .stages.variants import export_retracer, meta_copy, planned_size_only
 
 __all__ = ["parallelize"]
 
@@ -295,7 +292,7 @@ def parallelize(
         activation_dtype=_PRECISIONS[mixed_precision], split_mlps=split_mlps,
     )
     if costs == "analytic":
-        plan = partition(traced, **args)
+        plan = plan_stages(traced, **args)
     else:  # see [Note: measured costs]
         setup = RunSetup(device, mode, _PRECISIONS[mixed_precision], recompute=activation_checkpointing)
         plan = measured_plan(planning_graph, setup, args, options=measure or MeasureOptions(),

@@ -16,6 +16,7 @@ __all__ = [
     "PipelineFailure",
     "CheckpointError",
     "ProfileError",
+    "positive_int",
 ]
 
 
@@ -58,3 +59,10 @@ class CheckpointError(AutopipeError, RuntimeError):
 class ProfileError(ConfigError):
     """A measured cost profile cannot be made here, cannot be read, or was made for another
     graph, input shape, dtype, execution mode or device."""
+
+
+def positive_int(name: str, value: object, error: type[AutopipeError] = ConfigError) -> int:
+    """``value`` when it is an int of at least 1 (a bool is not), else ``error`` naming ``name``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise error(f"{name} must be a positive integer, got {value!r}")
+    return value

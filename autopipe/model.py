@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .errors import CheckpointError, InputError
 from .mesh import Mesh
-from .partition.mlp_pieces import merge_pieces, take_piece
+from .stages.mlp_pieces import merge_pieces, take_piece
 from .partition.plan import PartitionPlan
 from .runtime.batchnorm import BatchNormStats
 from .runtime.driver import PipelineDriver, StageSet
@@ -112,7 +112,7 @@ def _running_stats_kept(stage: nn.Module) -> Iterator[None]:
 class ModeStages:
     """This rank's stages of the model's eval-mode graph, where its forward branches on
     ``self.training``; they share the train stages' state (see [Note: one graph per mode] in
-    autopipe/partition/mode_plan.py)."""
+    autopipe/stages/mode_plan.py)."""
 
     plan: PartitionPlan
     traced: TracedModel
@@ -159,10 +159,10 @@ class StageRuntime:
     def _variants(self, traced: TracedModel, plan: PartitionPlan, stages: dict[int, nn.Module],
                   retrace: Callable[[int], tuple[TracedModel, PartitionPlan]] | None) -> Callable[[int], Any]:
         """This rank's stages and boundary specs of one mode's graph at another micro-batch size;
-        see [Note: stage variants] in variants.py."""
+        see [Note: stage variants] in stages/variants.py."""
 
         def build(size: int) -> tuple[dict[int, nn.Module], list[list[TensorSpec]]]:
-            from .variants import boundary_values, emit_variant, repropagate
+            from .stages.variants import boundary_values, emit_variant, repropagate
 
             sized, sized_plan = retrace(size) if retrace is not None else (repropagate(traced, size), plan)
             built = emit_variant(sized, sized_plan, stages)

@@ -14,9 +14,9 @@ from .errors import ConfigError
 from .models import default_input, load_model
 from .partition.device import DeviceProfile, get_profile
 from .partition.measured import MeasuredCosts
-from .partition.partitioner import partition
 from .partition.plan import PartitionPlan
 from .runtime.schedule import validate as validate_schedule
+from .stages import plan_stages
 from .tracer import TracedModel, trace
 
 __all__ = ["plan_model", "planning_graph", "microbatch_size", "default_schedule"]
@@ -128,7 +128,7 @@ def plan_model(
         mode = mode or measured.mode
         if activation_dtype is None and measured.dtype != "float32":
             activation_dtype = getattr(torch, measured.dtype)
-    return partition(
+    return plan_stages(
         traced,
         pp,
         chunks,

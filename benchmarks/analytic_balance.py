@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from autopipe.models import default_input, load_model  # noqa: E402
 from autopipe.partition.device import PROFILES  # noqa: E402
-from autopipe.partition.partitioner import partition  # noqa: E402
+from autopipe.stages import mlp_pieces, plan_stages  # noqa: E402
 from autopipe.tracer import trace  # noqa: E402
 
 LAYOUTS = ((4, 1), (8, 1), (4, 2))
@@ -37,8 +37,6 @@ TARGET = 1.15
 
 
 def _stage_seconds(plan: Any, node_seconds: dict[str, float], traced: Any) -> list[float]:
-    from autopipe.partition import mlp_pieces
-
     piece_of = {}
     if plan.mlp_pieces:
         split = mlp_pieces.split_mlps(traced, plan.mlp_pieces)
@@ -75,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         for pp, chunks in LAYOUTS:
             row: dict[str, Any] = {"model": name, "microbatch": mb, "pp": pp, "chunks": chunks}
             for kind, profile in profiles.items():
-                plan = partition(traced, pp, chunks, device=profile, activation_dtype=torch.bfloat16,
+                plan = plan_stages(traced, pp, chunks, device=profile, activation_dtype=torch.bfloat16,
                                  microbatches=2 * pp, schedule="1f1b" if chunks == 1 else "interleaved_1f1b")
                 times = _stage_seconds(plan, seconds, traced)
                 row[kind] = {"stage_ms": [t * 1e3 for t in times],

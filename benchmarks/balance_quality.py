@@ -49,7 +49,9 @@ from autopipe.models import default_input, load_model
 from autopipe.partition import balance as balancer
 from autopipe.partition.cost import graph_costs
 from autopipe.partition.device import get_profile
-from autopipe.partition.partitioner import cut_latency_seconds, cut_seconds, partition
+from autopipe.partition.partitioner import partition
+from autopipe.partition.transfers import cut_latency_seconds, cut_seconds
+from autopipe.stages import plan_stages
 from autopipe.tracer import trace
 
 MODELS = {
@@ -188,9 +190,9 @@ def run(models: Sequence[str]) -> dict[str, Any]:
             for chunks in CHUNKS:
                 schedule = "1f1b" if chunks == 1 else "interleaved_1f1b"
                 common = dict(microbatches=2 * pp * chunks, schedule=schedule, activation_dtype=ACTIVATION_DTYPE)
-                plan = partition(traced, pp, chunks, model_name=name, device=DEVICE, **common)
+                plan = plan_stages(traced, pp, chunks, model_name=name, device=DEVICE, **common)
                 # The same exact balancer with a free link: the best node-level cut on compute alone.
-                free = partition(traced, pp, chunks, device=FREE_LINK, split_mlps=False, **common)
+                free = partition(traced, pp, chunks, device=FREE_LINK, **common)
                 base = block_baselines(traced, model, pp * chunks)
                 stages = stage_rows(plan, link)
                 free_on_link = stage_rows(free, link)
@@ -224,7 +226,7 @@ def plan_time(name: str = "vit_huge_patch14_224", pp: int = 8, repeats: int = 3)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        partition(trace(model, (x,)), pp, 1, microbatches=2 * pp, device=DEVICE,
+        plan_stages(trace(model, (x,)), pp, 1, microbatches=2 * pp, device=DEVICE,
                   activation_dtype=ACTIVATION_DTYPE)
         times.append(time.perf_counter() - start)
     return {"model": name, "pp": pp, "seconds": times, "best": min(times), "worst": max(times)}

@@ -41,7 +41,7 @@ from autopipe.measure import MeasureOptions, ProfileCache, RunSetup, measured_pl
 from autopipe.measure.timer import device_name  # noqa: E402
 from autopipe.models import default_input, load_model  # noqa: E402
 from autopipe.partition.device import PROFILES  # noqa: E402
-from autopipe.partition.partitioner import partition  # noqa: E402
+from autopipe.stages import plan_stages  # noqa: E402
 from autopipe.tracer import trace  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -86,7 +86,7 @@ def run_case(name: str, traced: Any, mb: int, mode: str, layouts: tuple, reps: i
         for kind in ("uncalibrated", "analytic"):
             if kind not in plans:
                 continue
-            plan = partition(traced, device=profiles[kind], **args)
+            plan = plan_stages(traced, device=profiles[kind], **args)
             times = time_plan(traced, plan, setup)
             row[kind] = {"modelled_ms": [s.compute_time * 1e3 for s in plan.stages],
                          "measured_ms": [t * 1e3 for t in times], "modelled_imbalance": plan.imbalance,

@@ -19,7 +19,7 @@ from autopipe.graph import owning_module
 from autopipe.partition import cost as cost_module
 from autopipe.partition.cost import MATMUL_KINDS, NodeCost, graph_costs
 from autopipe.partition.device import get_profile
-from autopipe.partition.partitioner import partition
+from autopipe.stages import plan_stages
 from autopipe.tracer import trace
 
 SEQUENCE = ["conv1", "bn1", "relu", "maxpool", "layer1", "layer2", "layer3", "layer4", "avgpool",
@@ -86,12 +86,12 @@ def test_exec_sequence_resnet50_cost_balance():
     # prices the same split. Costing layer1..4 as elementwise (the old fallback) cut before
     # layer1, layer3 and layer4: imbalance 1.14 by its own model, 1.71 priced on the fx graph.
     _, fx_traced, seq_traced = _resnet50(8)
-    seq_plan = partition(seq_traced, 4, balance="cost", device="h200")
+    seq_plan = plan_stages(seq_traced, 4, balance="cost", device="h200")
     starts = [s.modules[0] for s in seq_plan.stages[1:]]
     assert starts == ["layer2", "layer3", "layer4"]  # the best whole-layer split at this size
-    repriced = partition(fx_traced, 4, balance=starts, device="h200")
+    repriced = plan_stages(fx_traced, 4, balance=starts, device="h200")
     assert seq_plan.imbalance == pytest.approx(repriced.imbalance, abs=0.01)
-    fx_plan = partition(fx_traced, 4, balance="cost", device="h200")
+    fx_plan = plan_stages(fx_traced, 4, balance="cost", device="h200")
     assert fx_plan.imbalance <= seq_plan.imbalance < 1.45
 
 

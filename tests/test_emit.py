@@ -4,10 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autopipe.emit import emit_stages, run_chain
+from autopipe.stages.emit import emit_stages, run_chain
 from autopipe.errors import ConfigError, PartitionError
-from autopipe.partition.mlp_pieces import merge_pieces, piece_params
+from autopipe.stages.mlp_pieces import merge_pieces, piece_params
 from autopipe.partition.partitioner import partition
+from autopipe.stages import plan_stages
 from autopipe.tracer import trace
 from tests.models import MODELS, image_batch, logits
 
@@ -38,7 +39,7 @@ def test_chained_stages_reproduce_outputs_and_gradients(name, pp, chunks):
     x = image_batch(2)
     ref_out, ref_grads = _reference(model, x)
     traced = trace(model, (x,))
-    plan = partition(traced, pp, chunks, device="cpu")
+    plan = plan_stages(traced, pp, chunks, device="cpu")
     assert plan.num_stages == pp * chunks
     out, grads, stages = _chained(model, traced, plan, x)
     torch.testing.assert_close(out, ref_out, rtol=1e-6, atol=1e-6)
@@ -92,7 +93,7 @@ def test_non_persistent_buffers_stay_out_of_stage_state(monkeypatch):
     model = _Masked()
     x = torch.randn(4, 8)
     traced = trace(model, (x,))
-    stages = emit_stages(traced, partition(traced, 2, device="cpu", split_mlps=False))
+    stages = emit_stages(traced, partition(traced, 2, device="cpu"))
     assert any("mask" in dict(st.named_buffers()) for st in stages.values())  # the stage does read it
     for st in stages.values():
         assert set(st.state_dict()) <= set(model.state_dict()), set(st.state_dict()) - set(model.state_dict())
@@ -103,7 +104,7 @@ def test_stage_boundaries_match_plan():
     model = MODELS["timm_vit"]().eval()
     x = image_batch(2)
     traced = trace(model, (x,))
-    plan = partition(traced, 4, device="cpu")
+    plan = plan_stages(traced, 4, device="cpu")
     stages = emit_stages(traced, plan)
     values = (x,)
     for i in range(plan.num_stages):
@@ -118,7 +119,7 @@ def test_train_mode_batchnorm_updates_running_stats_like_the_model():
     model = MODELS["tv_resnet"]().train()
     x = image_batch(4)
     traced = trace(model, (x,))
-    plan = partition(traced, 2, device="cpu")
+    plan = plan_stages(traced, 2, device="cpu")
     ref = {k: v.clone() for k, v in model.state_dict().items()}
     stages = emit_stages(traced, plan)
     run_chain([stages[0], stages[1]], x)
@@ -133,7 +134,7 @@ def test_too_many_stages_is_a_partition_error():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
     traced = trace(model, (torch.randn(2, 4),))
     with pytest.raises(PartitionError, match="at most"):
-        partition(traced, 8, device="cpu")
+        plan_stages(traced, 8, device="cpu")
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5])
@@ -141,16 +142,16 @@ def test_degrees_must_be_positive(bad):
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
     traced = trace(model, (torch.randn(2, 4),))
     with pytest.raises(ConfigError, match="pp must be a positive integer"):
-        partition(traced, bad, device="cpu")
+        plan_stages(traced, bad, device="cpu")
 
 
 def test_split_points_by_module_name():
     model = MODELS["timm_vit"]().eval()
     traced = trace(model, (image_batch(2),))
-    plan = partition(traced, 2, balance=["blocks.1"], device="cpu")
+    plan = plan_stages(traced, 2, balance=["blocks.1"], device="cpu")
     assert plan.stages[1].modules[0].startswith("blocks.1")
     with pytest.raises(PartitionError, match="blocks.9"):
-        partition(traced, 2, balance=["blocks.9"], device="cpu")
+        plan_stages(traced, 2, balance=["blocks.9"], device="cpu")
 
 
 def _leaf_chain(stages, x):
@@ -171,7 +172,7 @@ def test_received_tensor_mutated_through_an_identity_is_copied(split):
     model = MODELS["timm_resnet"]().eval()
     x = image_batch(2)
     traced = trace(model, (x,))
-    plan = partition(traced, 2, balance=[split], device="cpu")
+    plan = plan_stages(traced, 2, balance=[split], device="cpu")
     stages = emit_stages(traced, plan)
     received = {c.name for c in plan.stages[1].inputs}
     assert "maxpool" in received  # the shortcut, read only: not copied
@@ -184,7 +185,7 @@ def test_received_tensor_mutated_through_an_identity_is_copied(split):
 def test_received_tensor_read_only_is_not_copied():
     model = MODELS["timm_resnet"]().eval()
     traced = trace(model, (image_batch(2),))
-    plan = partition(traced, 2, balance=["layer2"], device="cpu")  # a conv and a downsample read it
+    plan = plan_stages(traced, 2, balance=["layer2"], device="cpu")  # a conv and a downsample read it
     stages = emit_stages(traced, plan)
     assert not [n for n in stages[1].graph.nodes if n.target is torch.clone]
     _leaf_chain([stages[0], stages[1]], image_batch(2))

@@ -27,7 +27,8 @@ from autopipe.partition.calibration import Calibration, class_of, load_calibrati
 from autopipe.partition.cost import graph_costs
 from autopipe.partition.device import PROFILES, DeviceProfile
 from autopipe.partition.measured import MeasuredCosts, Segment, fingerprint, spread
-from autopipe.partition.partitioner import analytic_seconds, partition
+from autopipe.partition.partitioner import analytic_seconds
+from autopipe.stages import plan_stages
 from autopipe.tracer import trace
 from tests.distributed import run_distributed
 from tests.models import timm_vit
@@ -74,7 +75,7 @@ def test_profile_tiles_the_graph_and_prices_every_node(tmp_path):
     assert measured.fingerprint == fingerprint(traced.gm) and measured.device == "cpu"
     assert set(measured.node_detail) >= set(linears)
     # A plan priced by it carries the source and the profile's times.
-    plan = partition(traced, 2, device="cpu", measured=measured)
+    plan = plan_stages(traced, 2, device="cpu", measured=measured)
     assert plan.cost_source["source"] == "measured" and plan.cost_source["device"] == "cpu"
     assert sum(s.compute_time for s in plan.stages) == pytest.approx(
         sum(measured.node_seconds.values()) + 2 * measured.stage_overhead)
@@ -129,10 +130,10 @@ def test_a_profile_of_another_graph_shape_or_setup_is_refused():
     traced = _vit_traced()
     measured = profile_graph(traced, CPU, segments=4)
     with pytest.raises(ProfileError, match="fingerprint.*\n.*input_shapes"):
-        partition(_vit_traced(batch=2), 2, device="cpu", measured=measured)
+        plan_stages(_vit_traced(batch=2), 2, device="cpu", measured=measured)
     deeper = trace(timm_vit(depth=3), (torch.randn(4, 3, 32, 32),))
     with pytest.raises(ProfileError, match="fingerprint"):
-        partition(deeper, 2, device="cpu", measured=measured)
+        plan_stages(deeper, 2, device="cpu", measured=measured)
     with pytest.raises(ProfileError, match="mode: profile has 'eager', this plan needs 'graphs'"):
         measured.check({"mode": "graphs", "device": "cpu"})
     with pytest.raises(ProfileError, match="device: profile has 'cpu'"):
@@ -176,7 +177,7 @@ def _synthetic(traced, hidden_seed: int = 1):
 
     def replan(factors, **kw):
         seconds = {n: s * factors[group_of[n]] for n, s in base.items()}
-        return partition(traced, 4, device="h100", measured=dataclasses.replace(measured, node_seconds=seconds), **kw)
+        return plan_stages(traced, 4, device="h100", measured=dataclasses.replace(measured, node_seconds=seconds), **kw)
 
     return measured, device, replan, group_of, hidden
 
@@ -184,7 +185,7 @@ def _synthetic(traced, hidden_seed: int = 1):
 def test_the_closed_loop_reaches_the_balance_of_the_true_costs():
     traced = trace(timm_vit(depth=8), (torch.randn(4, 3, 32, 32),))
     measured, device, replan, group_of, hidden = _synthetic(traced)
-    first = partition(traced, 4, device="h100", measured=measured)
+    first = plan_stages(traced, 4, device="h100", measured=measured)
     start = max(device(first)) / (sum(device(first)) / 4)
     truth = replan([hidden[k] for k in range(len(hidden))])
     best_possible = max(device(truth)) / (sum(device(truth)) / 4)
@@ -202,7 +203,7 @@ def test_the_closed_loop_reaches_the_balance_of_the_true_costs():
 def test_the_closed_loop_stops_at_its_target_and_checks_its_arguments():
     traced = trace(timm_vit(depth=4), (torch.randn(4, 3, 32, 32),))
     measured, device, replan, group_of, _ = _synthetic(traced)
-    plan = partition(traced, 4, device="h100", measured=measured)
+    plan = plan_stages(traced, 4, device="h100", measured=measured)
     kwargs = dict(groups=len(measured.segments), planned=lambda p: _planned(traced, p, measured.node_seconds, group_of),
                   measure=device, replan=replan)
     done = refine(plan, target=10.0, rounds=3, **kwargs)

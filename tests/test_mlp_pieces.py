@@ -9,10 +9,11 @@ import torch
 import torch.nn.functional as F
 
 import autopipe
-from autopipe.emit import emit_stages, run_chain
+from autopipe.stages.emit import emit_stages, run_chain
 from autopipe.errors import ConfigError, PartitionError
-from autopipe.partition.mlp_pieces import merge_pieces, piece_params, split_mlps, take_piece
-from autopipe.partition.partitioner import SPLIT_GAIN, partition
+from autopipe.stages.mlp_pieces import merge_pieces, piece_params, split_mlps, take_piece
+from autopipe.partition.partitioner import partition
+from autopipe.stages.piece_plan import SPLIT_GAIN, plan_stages
 from autopipe.partition.plan import PartitionPlan
 from autopipe.tracer import trace
 from tests.distributed import run_distributed
@@ -71,8 +72,8 @@ def test_piece_state_round_trips_through_the_full_names():
 def test_the_partitioner_cuts_an_mlp_when_that_balances_better():
     model = _model()
     traced = trace(model, (_x(),))
-    plain = partition(traced, 4, device="cpu", split_mlps=False)
-    plan = partition(traced, 4, device="cpu")
+    plain = partition(traced, 4, device="cpu")
+    plan = plan_stages(traced, 4, device="cpu")
     assert plan.mlp_pieces and not plain.mlp_pieces
     assert max(s.cost for s in plan.stages) < max(s.cost for s in plain.stages) * (1 - SPLIT_GAIN)
     assert plan.imbalance < plain.imbalance
@@ -97,7 +98,7 @@ def test_bad_pieces_are_refused():
     with pytest.raises(PartitionError, match="hidden boundaries"):
         split_mlps(traced, {"blocks.0.mlp.fc1": {"fc2": "blocks.0.mlp.fc2", "hidden": [0, 600, 512]}})
     with pytest.raises(ConfigError, match="before any MLP pieces"):
-        partition(split_mlps(traced, PIECES), 2)
+        plan_stages(split_mlps(traced, PIECES), 2)
 
 
 # ----------------------------------------------------------------------------- on 4 processes

@@ -1,7 +1,7 @@
 """Models whose own forward branches on ``self.training`` get one graph per mode.
 
 GoogLeNet and Inception v3 return auxiliary logits in train() only; see [Note: one graph per
-mode] in autopipe/partition/mode_plan.py. ``AuxNet`` (tests/models.py) has their shape, small.
+mode] in autopipe/stages/mode_plan.py. ``AuxNet`` (tests/models.py) has their shape, small.
 The train-mode graph is partitioned; the eval-mode graph follows its cuts, its stages share the
 train stages' parameters, and a pipeline trains and evaluates like one process.
 """
@@ -16,11 +16,11 @@ import torch.nn as nn
 from torchvision.models.inception import InceptionOutputs
 
 import autopipe
-from autopipe.emit import emit_stages, run_chain, share_state
+from autopipe.stages.emit import emit_stages, run_chain, share_state
 from autopipe.errors import PartitionError
 from autopipe.graph import owning_module
-from autopipe.partition.mode_plan import follow_plan
-from autopipe.partition.partitioner import partition
+from autopipe.stages.mode_plan import follow_plan
+from autopipe.stages import plan_stages
 from autopipe.tracer import trace
 from tests.distributed import run_distributed
 from tests.models import AuxNet, aux_loss, image_batch, timm_vit
@@ -46,7 +46,7 @@ def test_eval_stages_cut_at_the_same_modules_and_share_state(pp: int, chunks: in
     model = AuxNet().train()
     x = image_batch(4)
     traced = trace(model, (x,))
-    plan = partition(traced, pp, chunks, device="cpu", balance="uniform")
+    plan = plan_stages(traced, pp, chunks, device="cpu", balance="uniform")
     eval_traced, eval_plan = follow_plan(traced, plan, traced.eval_traced)
     train_stages = emit_stages(traced, plan)
     eval_stages = {i: share_state(m, train_stages[i]) for i, m in emit_stages(eval_traced, eval_plan).items()}
@@ -81,7 +81,7 @@ class _Reordered(nn.Module):
 
 def test_a_module_that_would_change_stage_is_a_partition_error() -> None:
     traced = trace(_Reordered(), (torch.randn(2, 8),))
-    plan = partition(traced, 2, balance=["b"], device="cpu")
+    plan = plan_stages(traced, 2, balance=["b"], device="cpu")
     with pytest.raises(PartitionError, match=r"'a\.weight'.* stage 1.* stage 0.*split points"):
         follow_plan(traced, plan, traced.eval_traced)
 

@@ -12,6 +12,7 @@ from autopipe.errors import ConfigError
 from autopipe.partition import balance as balancer
 from autopipe.partition.device import get_profile
 from autopipe.partition.partitioner import partition
+from autopipe.stages import plan_stages
 from autopipe.partition.plan import PartitionPlan
 from autopipe.tracer import trace
 
@@ -56,7 +57,7 @@ def link_times(plan: PartitionPlan, link) -> list[tuple[float, float]]:
 @pytest.mark.parametrize("balance", ["cost", "params", "uniform"])
 @pytest.mark.parametrize("device", ["h100", SLOW_LINK])
 def test_stage_cost_is_the_balancers_formula(balance, device):
-    plan = partition(traced_tiny(), 3, balance=balance, device=device)
+    plan = plan_stages(traced_tiny(), 3, balance=balance, device=device)
     link = get_profile(device)
     for stage, (comm, latency) in zip(plan.stages, link_times(plan, link)):
         assert stage.comm_time == pytest.approx(comm, rel=1e-12)
@@ -74,7 +75,7 @@ def test_cost_balance_is_the_exact_optimum_of_what_partition_feeds_it(monkeypatc
 
     monkeypatch.setattr(balancer, "solve_overlapped", spy)
     # One balancing pass (no MLP pieces, which balance a second graph after this one).
-    plan = partition(traced_tiny(), 3, device=SLOW_LINK, split_mlps=False)
+    plan = partition(traced_tiny(), 3, device=SLOW_LINK)
     compute, times = seen["compute"], (seen["cut_time"], seen["cut_latency"])
     starts = [0]
     for stage in plan.stages[:-1]:
@@ -97,7 +98,7 @@ def test_the_link_steers_cuts_away_from_wide_activations():
     traced = traced_tiny()
     free = dataclasses.replace(ROOFLINE, name="free", link_bandwidth=float("inf"), link_latency=0.0)
     # Compute alone cuts inside the wide half; on the slow link that stage would be link-bound.
-    slow, fast = partition(traced, 4, device=SLOW_LINK), partition(traced, 4, device=free)
+    slow, fast = plan_stages(traced, 4, device=SLOW_LINK), plan_stages(traced, 4, device=free)
     assert max(s.cost for s in slow.stages) < max(
         max(s.compute_time, c) + lat for s, (c, lat) in zip(fast.stages, link_times(fast, SLOW_LINK)))
     assert slow.stages[0].cut_bytes < fast.stages[0].cut_bytes
@@ -106,8 +107,8 @@ def test_the_link_steers_cuts_away_from_wide_activations():
 def test_activation_dtype_prices_and_names_floating_cut_tensors():
     traced = traced_tiny()
     cuts = ["2", "6"]  # fixed split points, so both plans cut at the same places
-    fp32 = partition(traced, 3, balance=cuts, device=SLOW_LINK)
-    bf16 = partition(traced, 3, balance=cuts, device=SLOW_LINK, activation_dtype=torch.bfloat16)
+    fp32 = plan_stages(traced, 3, balance=cuts, device=SLOW_LINK)
+    bf16 = plan_stages(traced, 3, balance=cuts, device=SLOW_LINK, activation_dtype=torch.bfloat16)
     for a, b in zip(fp32.stages, bf16.stages):
         assert [t.shape for t in a.outputs] == [t.shape for t in b.outputs]
         for t in b.outputs + b.inputs:
@@ -122,13 +123,13 @@ def test_activation_dtype_prices_and_names_floating_cut_tensors():
 @pytest.mark.parametrize("bad", [torch.int64, "bf16", torch.bool])
 def test_activation_dtype_must_be_a_floating_dtype(bad):
     with pytest.raises(ConfigError, match="activation_dtype must be a floating torch.dtype"):
-        partition(traced_tiny(), 2, activation_dtype=bad)
+        plan_stages(traced_tiny(), 2, activation_dtype=bad)
 
 
 @pytest.mark.parametrize("dtype, per_param", [(torch.float32, 16), (torch.bfloat16, 12)])
 def test_training_state_follows_the_parameters_dtype(dtype, per_param):
     # adamw: parameter + gradient in the parameters' dtype, two fp32 moments.
-    plan = partition(traced_tiny(dtype), 2, microbatches=1)
+    plan = plan_stages(traced_tiny(dtype), 2, microbatches=1)
     state = sum(s.memory_bytes - s.activation_bytes for s in plan.stages)  # one micro-batch in flight
     assert state == per_param * plan.total_params
 
@@ -138,15 +139,15 @@ def test_tp_collectives_are_priced_in_the_stage_cost():
     costs more than the sum of its (already sharded) compute, by exactly the collectives."""
     from autopipe.partition.cost import graph_costs
     from autopipe.partition.device import get_profile
-    from autopipe.partition.partitioner import tp_collective_seconds
+    from autopipe.partition.transfers import tp_collective_seconds
     from autopipe.shard import apply_sharding, plan_sharding
     from autopipe.tracer import trace
     from tests.models import MODELS
 
     traced = trace(MODELS["timm_vit"](), (torch.randn(2, 3, 32, 32),))
     sharded = apply_sharding(traced, plan_sharding(traced, 2), 0)
-    with_comm = partition(sharded, 1, tp=2, device="h100")
-    without = partition(sharded, 1, tp=1, device="h100")
+    with_comm = plan_stages(sharded, 1, tp=2, device="h100")
+    without = plan_stages(sharded, 1, tp=1, device="h100")
     profile, costs = get_profile("h100"), graph_costs(sharded.gm)
     comm = [tp_collective_seconds(n, costs[n.name], 2, profile) for n in sharded.gm.graph.nodes]
     assert sum(c > 0 for c in comm) >= 8  # f and g around each attention and MLP of 2 blocks

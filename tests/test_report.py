@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from autopipe.errors import ConfigError
-from autopipe.partition.partitioner import partition
+from autopipe.stages import plan_stages
 from autopipe.partition.plan import CutTensor, PartitionPlan, StagePlan
 from autopipe.partition.report import (
     figure_title, format_cut, format_table, human_bytes, human_count, human_flops, plot, time_parts,
@@ -36,7 +36,7 @@ def plan() -> PartitionPlan:
     with torch.device("meta"):
         model = tiny_model()
     traced = trace(model, (torch.empty(8, 16, device="meta"),))
-    return partition(traced, 2, 2, microbatches=4, schedule="interleaved_1f1b", model_name="tiny")
+    return plan_stages(traced, 2, 2, microbatches=4, schedule="interleaved_1f1b", model_name="tiny")
 
 
 def hand_plan(outputs: list[CutTensor]) -> PartitionPlan:

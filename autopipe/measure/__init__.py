@@ -14,8 +14,8 @@ from typing import Any
 
 from autopipe.errors import ProfileError
 from autopipe.partition.measured import MeasuredCosts
-from autopipe.partition.partitioner import partition
 from autopipe.partition.plan import PartitionPlan
+from autopipe.stages import mlp_pieces, plan_stages
 from autopipe.tracer import TracedModel
 
 from .cache import ProfileCache, default_cache_dir
@@ -58,7 +58,7 @@ def measured_plan(traced: TracedModel, setup: RunSetup, partition_args: dict[str
                   closed_loop: bool = True, group: Any = None) -> PartitionPlan:
     """Profile ``traced`` as ``setup`` runs it (or take ``measured``: a profile, or a profile
     file's path, read on rank 0 and sent to the others), cut it with
-    ``partition(traced, **partition_args)`` on the measured costs, then time the stages and cut
+    ``plan_stages(traced, **partition_args)`` on the measured costs, then time the stages and cut
     again while they are unbalanced ([Note: closed loop]). Collective when torch.distributed is
     initialised: every rank ends with the same plan, or every rank raises."""
     if measured is None:
@@ -72,7 +72,7 @@ def measured_plan(traced: TracedModel, setup: RunSetup, partition_args: dict[str
         key = profile_key(traced, setup)
         key.pop("torch_version")  # a profile given by hand may come from another torch
         measured.check(key, source="the given profile")
-    plan = partition(traced, measured=measured, **partition_args)
+    plan = plan_stages(traced, measured=measured, **partition_args)
     if not closed_loop:
         return plan
     timing = dataclasses.replace(setup, reps=options.reps, warmup=options.warmup)
@@ -80,7 +80,7 @@ def measured_plan(traced: TracedModel, setup: RunSetup, partition_args: dict[str
 
     def replan(factors: list[float]) -> PartitionPlan:
         seconds = {n: s * factors[group_of[n]] for n, s in measured.node_seconds.items()}
-        return partition(traced, measured=dataclasses.replace(measured, node_seconds=seconds), **partition_args)
+        return plan_stages(traced, measured=dataclasses.replace(measured, node_seconds=seconds), **partition_args)
 
     return refine(plan, groups=len(measured.segments), target=options.target, rounds=options.rounds,
                   planned=lambda p: _planned(traced, p, measured.node_seconds, group_of),
@@ -96,8 +96,6 @@ def _groups(traced: TracedModel, measured: MeasuredCosts) -> dict[str, int]:
 def _planned(traced: TracedModel, plan: PartitionPlan, seconds: dict[str, float],
              group_of: dict[str, int]) -> list[dict[int, float]]:
     """Each stage's profiled seconds by segment group; an MLP piece counts its share of its node."""
-    from autopipe.partition import mlp_pieces
-
     piece_of = {}
     if plan.mlp_pieces:
         split = mlp_pieces.split_mlps(traced, plan.mlp_pieces)

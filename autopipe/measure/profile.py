@@ -4,7 +4,7 @@ See [Note: measured costs] (partition/measured.py) for what a profile is and how
 partitioner uses it, and [Note: stage timing] (timer.py) for how a segment is timed.
 
 [Note: segments]
-A profile runs the graph in segments cut where stages may be cut (``partitioner.cut_candidates``),
+A profile runs the graph in segments cut where stages may be cut (``partition.cuts.cut_candidates``),
 as evenly as the analytic model can tell (the min-max balancer cutting the graph into
 ``count`` parts). In the eager and CUDA-graph modes each segment is timed whole and, under the
 profiler, node by node ([Note: node times from kernels] in kernels.py): the node times are what
@@ -32,7 +32,8 @@ from autopipe.errors import ProfileError
 from autopipe.partition import balance as balancer
 from autopipe.partition.device import DeviceProfile, get_profile
 from autopipe.partition.measured import MeasuredCosts, Segment, dtype_name, fingerprint, spread
-from autopipe.partition.partitioner import analytic_seconds, cut_candidates, partition_at
+from autopipe.partition.cuts import cut_candidates
+from autopipe.partition.partitioner import analytic_seconds, partition_at
 from autopipe.tracer import TracedModel
 
 from .cache import ProfileCache

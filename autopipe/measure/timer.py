@@ -4,7 +4,7 @@ real outputs of the stages before it, prepared as the runtime prepares it.
 [Note: stage timing]
 What a pipeline rank does per micro-batch is run its stage's forward, later its backward; so
 that is what is timed, with nothing else around it:
-- the stage is emitted from the plan (autopipe/emit.py), copied to the device (a model
+- the stage is emitted from the plan (autopipe/stages/emit.py), copied to the device (a model
   planned on the meta device gets random weights: timing needs shapes, not values), and
   prepared as ``StageRuntime`` prepares it: weight casts and autocast in the compute dtype,
   activations cast at the boundary, activation checkpointing, ``torch.compile``, CUDA graphs
@@ -35,7 +35,6 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.nn as nn
 
-from autopipe.emit import emit_stages
 from autopipe.measure.kernels import NodeTimes, node_times
 from autopipe.errors import ProfileError
 from autopipe.partition.device import EXECUTION_MODES, _materialise
@@ -43,6 +42,7 @@ from autopipe.partition.plan import PartitionPlan
 from autopipe.runtime.graphs import StageGraphs
 from autopipe.runtime.p2p import TensorSpec
 from autopipe.runtime.weight_casts import WeightCasts
+from autopipe.stages.emit import emit_stages
 from autopipe.tracer import TracedModel
 
 __all__ = ["RunSetup", "StageTiming", "time_stages", "device_name", "WARM_SECONDS"]

@@ -64,7 +64,7 @@ class PartitionPlan:
     total_params: int
     schema: int = SCHEMA_VERSION
     # MLPs a stage boundary falls inside: fc1 -> {"fc2": name, "hidden": piece boundaries}
-    # (see [Note: MLP pieces] in mlp_pieces.py); empty when every cut is between nodes.
+    # (see [Note: MLP pieces] in stages/mlp_pieces.py); empty when every cut is between nodes.
     mlp_pieces: dict[str, dict[str, Any]] = field(default_factory=dict)
     # What priced the stages' compute: {"source": "analytic", "profile": ..., "mode": ...} or
     # {"source": "measured", "device": ..., "mode": ..., ...}; see [Note: measured costs].

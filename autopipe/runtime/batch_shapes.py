@@ -8,7 +8,7 @@ derives every boundary shape itself, and receives are posted with the right shap
 a shape message (what Colossal-AI's schedule exchanges when TENSOR_SHAPE is not given).
 The stages of another size share the planned stages' parameters and modules; where a
 route baked the size into the graph they are new graphs, else the planned ones (see
-[Note: stage variants] in autopipe/variants.py). A step may mix two sizes (an uneven split,
+[Note: stage variants] in autopipe/stages/variants.py). A step may mix two sizes (an uneven split,
 [Note: batch splits]) and run fewer micro-batches than planned (a batch smaller than m):
 the driver compiles its programs per micro-batch count. CUDA graphs replay the planned
 size only; other sizes run eagerly. Compiled stages compile once per size, warmed on every

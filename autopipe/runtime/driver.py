@@ -72,7 +72,7 @@ class PipelineDriver:
     in training ([Note: batch splits]) and unevenly in evaluation. A rank that passes neither
     inputs nor targets then runs the planned size, so every rank should pass the inputs.
     ``eval_set`` holds the stages of the model's eval-mode graph where it has one (see [Note:
-    one graph per mode] in autopipe/partition/mode_plan.py): :meth:`train` switches between
+    one graph per mode] in autopipe/stages/mode_plan.py): :meth:`train` switches between
     the two sets, and ``training`` says which one runs first.
     """
 

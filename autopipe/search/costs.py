@@ -20,7 +20,7 @@ from autopipe.partition.calibration import BYTE_BOUNDS, Calibration, class_of, l
 from autopipe.partition.cost import MATMUL_KINDS, NodeCost, graph_costs, training_state_bytes
 from autopipe.partition.device import COMPILED_FUSION, DeviceProfile
 from autopipe.partition.measured import MeasuredCosts
-from autopipe.partition.partitioner import cut_candidates, cut_dag
+from autopipe.partition.cuts import cut_candidates, cut_dag
 from autopipe.shard.plan import ShardPlan
 from autopipe.tracer import TracedModel
 

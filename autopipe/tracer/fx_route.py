@@ -185,7 +185,7 @@ def trace_fx_modes(
     Submodules whose graph differs between the modes are leaves in both graphs, as in
     :func:`trace_fx`; so the two graphs differ only in what the model's forward does itself
     (GoogLeNet's auxiliary heads, a dropout before the classifier). See [Note: one graph per
-    mode] in autopipe/partition/mode_plan.py.
+    mode] in autopipe/stages/mode_plan.py.
     """
     leaves = list(leaf_modules)
     dependent = _mode_dependent_modules(model, leaves, autowrap_functions, concrete_args)

@@ -43,7 +43,7 @@ class TracedModel:
     attempts: dict[str, str] = field(default_factory=dict)  # route -> why it failed
     # The graph of eval() mode where the model's own forward branches on self.training; ``gm``
     # is then the graph of train() mode. None where one graph serves both modes.
-    # See [Note: one graph per mode] in autopipe/partition/mode_plan.py.
+    # See [Note: one graph per mode] in autopipe/stages/mode_plan.py.
     eval_traced: "TracedModel | None" = None
 
     def unflatten_output(self, leaves: Sequence[Any]) -> Any:

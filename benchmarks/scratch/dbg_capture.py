@@ -4,7 +4,7 @@ from autopipe.measure import RunSetup, segment_starts, time_stages
 from autopipe.models import default_input, load_model
 from autopipe.partition.partitioner import partition_at
 from autopipe.tracer import trace
-from autopipe.emit import emit_stages
+from autopipe.stages.emit import emit_stages
 import autopipe.measure.timer as T
 name = sys.argv[1]
 model = load_model(f"timm:{name}")

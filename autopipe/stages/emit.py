@@ -16,11 +16,11 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from .errors import PartitionError
-from .graph import MODULE_KEY, keep_buffer_persistence, resolve_attr, value_of
-from .partition.mlp_pieces import split_mlps
-from .partition.plan import PartitionPlan
-from .tracer import TracedModel
+from ..errors import PartitionError
+from ..graph import MODULE_KEY, keep_buffer_persistence, resolve_attr, value_of
+from ..partition.plan import PartitionPlan
+from ..tracer import TracedModel
+from .mlp_pieces import split_mlps
 
 __all__ = ["emit_stage", "emit_stages", "run_chain", "share_state"]
 
@@ -187,7 +187,7 @@ def emit_stages(traced: TracedModel, plan: PartitionPlan, indices: Iterable[int]
 def share_state(stage: fx.GraphModule, owner: fx.GraphModule) -> fx.GraphModule:
     """Point ``stage``'s leaf modules, parameters and buffers at ``owner``'s of the same names
     (the eval-mode stage of a train-mode stage: see [Note: one graph per mode] in
-    autopipe/partition/mode_plan.py); what ``owner`` lacks stays ``stage``'s own."""
+    autopipe/stages/mode_plan.py); what ``owner`` lacks stays ``stage``'s own."""
     for node in stage.graph.nodes:
         if node.op not in ("call_module", "get_attr"):
             continue

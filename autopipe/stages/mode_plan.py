@@ -34,8 +34,8 @@ import torch.fx as fx
 from ..errors import PartitionError
 from ..graph import is_tensor_node, owning_module, value_of
 from ..tracer import TracedModel
+from ..partition.plan import CutTensor, PartitionPlan
 from .mlp_pieces import split_mlps
-from .plan import CutTensor, PartitionPlan
 
 __all__ = ["follow_plan"]
 

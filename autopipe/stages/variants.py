@@ -37,11 +37,14 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .errors import InputError
-from .graph import keep_buffer_persistence
-from .partition.plan import CutTensor, PartitionPlan
-from .tracer import TracedModel
-from .tracer.shapes import to_meta
+from ..errors import InputError
+from ..graph import keep_buffer_persistence
+from ..partition.plan import CutTensor, PartitionPlan
+from ..shard import apply_sharding, plan_sharding
+from ..tracer import TracedModel, trace
+from ..tracer.shapes import to_meta
+from .emit import emit_stages
+from .mlp_pieces import split_mlps
 
 __all__ = ["meta_copy", "repropagate", "export_retracer", "planned_size_only", "emit_variant", "boundary_values"]
 
@@ -167,17 +170,12 @@ def export_retracer(template: nn.Module, traced: TracedModel, plan: PartitionPla
                     sequence_parallel: bool) -> Callable[[int], tuple[TracedModel, PartitionPlan]]:
     """``retrace(size)``: the export route's graph at ``size`` samples per micro-batch (sharded
     for this tp rank, cut into the plan's MLP pieces) and the plan renamed to its nodes."""
-    from .partition.mlp_pieces import split_mlps
-    from .tracer import trace
-
     leaves = tuple(leaf_modules)
 
     def retrace(size: int) -> tuple[TracedModel, PartitionPlan]:
         _, inputs = _inputs_at(traced, size)
         new = trace(template, tuple(inputs), route="export", leaf_modules=leaves)
         if tp > 1:
-            from .shard import apply_sharding, plan_sharding
-
             new = apply_sharding(new, plan_sharding(new, tp, rules=shard_rules, sequence_parallel=sequence_parallel),
                                  tp_rank, group="tp")
         new = split_mlps(new, plan.mlp_pieces)
@@ -195,8 +193,6 @@ def export_retracer(template: nn.Module, traced: TracedModel, plan: PartitionPla
 def emit_variant(traced: TracedModel, plan: PartitionPlan, stages: dict[int, nn.Module]) -> dict[int, nn.Module]:
     """This rank's stages emitted from ``traced`` (the graph at another size), rebuilt on the
     planned ``stages``; a stage whose code is unchanged is the planned one."""
-    from .emit import emit_stages
-
     out: dict[int, nn.Module] = {}
     for i, fresh in emit_stages(traced, plan, sorted(stages)).items():
         planned = stages[i]

@@ -17,7 +17,7 @@ partial sum so far; the stages split the parameters between them (nothing is rep
 gradient is summed across stages), and only the additions of ``fc2``-sized partials are new
 work. Cutting by output rows with a ``torch.cat`` instead would copy fc1's 4x wider output.
 
-The partitioner tries it when a node-level plan is imbalanced (``partition(split_mlps=True)``,
+``plan_stages`` (piece_plan.py) tries it when a node-level plan is imbalanced (``split_mlps=True``,
 balance="cost", tp=1): it cuts every large MLP into fine pieces, balances, and keeps pieces only
 in the MLPs a boundary fell inside, one piece per stage (``PartitionPlan.mlp_pieces``: fc1 ->
 {"fc2": name, "hidden": boundaries}). Stage emission applies the same rewrite, so the plan's node

@@ -1,0 +1,94 @@
+"""``plan_stages()``: cut a graph into stages at node granularity, or inside MLPs where that
+balances better (the graph then cut into MLP pieces: see [Note: MLP pieces] in mlp_pieces.py).
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from ..errors import ConfigError
+from ..partition.measured import MeasuredCosts
+from ..partition.partitioner import analytic_seconds, partition
+from ..partition.plan import PartitionPlan
+from ..tracer import TracedModel
+from . import mlp_pieces as pieces
+
+__all__ = ["plan_stages", "SPLIT_ABOVE", "GRANULE", "SPLIT_GAIN"]
+
+# [Note: when MLP pieces are tried]
+# Only for a plan whose imbalance exceeds SPLIT_ABOVE (a balanced plan gains nothing, and
+# planning stays one pass), by one refinement: every MLP slower than two granules (GRANULE of
+# the mean stage's compute) is cut into pieces of about a granule, the graph is balanced
+# again, and the MLPs a boundary fell inside are kept, merged to one piece per stage; the
+# graph with only those is balanced a last time (the cuts it took are still there). The pieces
+# are kept when the largest stage gets faster by at least SPLIT_GAIN; otherwise the node-level
+# plan stands.
+SPLIT_ABOVE = 0.01
+GRANULE = 0.01
+SPLIT_GAIN = 0.002
+
+
+def plan_stages(traced: TracedModel, pp: int, chunks: int = 1, *, split_mlps: bool = True,
+                **partition_args: Any) -> PartitionPlan:
+    """Cut ``traced`` into ``pp * chunks`` stages: :func:`~autopipe.partition.partitioner.partition`
+    (``partition_args`` as for it), then, with ``split_mlps`` (balance="cost", tp=1), a boundary
+    inside a large MLP where that balances better; the plan then names the graph with those MLPs
+    cut into pieces of hidden units (``plan.mlp_pieces``), which ``emit_stages`` builds. See
+    [Note: when MLP pieces are tried]."""
+    if traced.gm.meta.get(pieces.PIECES_META):
+        raise ConfigError("partition() takes the traced model before any MLP pieces were cut; "
+                          "pass the traced model itself (the plan names the pieces it needs)")
+    args = dict(partition_args, pp=pp, chunks=chunks)
+    plan = partition(traced, **args)
+    if not (split_mlps and args.get("balance", "cost") == "cost" and args.get("tp", 1) == 1
+            and plan.imbalance > 1.0 + SPLIT_ABOVE):
+        return plan
+    measured: MeasuredCosts | None = args.get("measured")
+    return _with_mlp_pieces(traced, plan, args, dict(measured.node_seconds) if measured is not None else None)
+
+
+def _with_mlp_pieces(traced: TracedModel, plan: PartitionPlan, args: dict[str, Any],
+                     node_seconds: Mapping[str, float] | None) -> PartitionPlan:
+    modelled = analytic_seconds(traced, args.get("device", "h100"))
+    granule = GRANULE * sum(s.compute_time for s in plan.stages) / plan.num_stages
+
+    def seconds(name: str) -> float:
+        if node_seconds is not None and name in node_seconds:
+            return node_seconds[name]
+        return modelled[name]
+
+    fine = {}
+    for mlp in pieces.find_mlps(traced.gm):
+        hidden = traced.gm.get_submodule(mlp.fc1.target).out_features
+        k = pieces.pieces_for(sum(seconds(n.name) for n in (mlp.fc1, *mlp.chain, mlp.fc2)), hidden, granule)
+        if k > 1:
+            fine[mlp.fc1.target] = {"fc2": mlp.fc2.target, "hidden": pieces.fine_hidden(hidden, k)}
+    if not fine:
+        return plan
+    # Where the boundaries would go if cutting were free: each piece takes its share of the
+    # unsplit nodes' time, the partial sums none. The plan made from real costs follows.
+    fine_traced = pieces.split_mlps(traced, fine)
+    ideal = {}
+    for node in fine_traced.gm.graph.nodes:
+        if node.meta.get(pieces.PARTIAL_SUM):
+            ideal[node.name] = 0.0
+        elif pieces.PIECE_OF in node.meta:
+            whole, share = node.meta[pieces.PIECE_OF]
+            ideal[node.name] = share * seconds(whole)
+    fine_plan = partition(fine_traced, **args, node_seconds=ideal)  # measured or not: ideal
+    kept = pieces.coarse_pieces(fine, fine_plan.stage_of(), fine_traced.gm)
+    if not kept:
+        return plan
+    split_traced = pieces.split_mlps(traced, kept)
+    split_seconds = None
+    if node_seconds is not None:  # a piece takes its share of the measured node; the rest as measured
+        split_seconds = {}
+        for node in split_traced.gm.graph.nodes:
+            if pieces.PIECE_OF in node.meta:
+                whole, share = node.meta[pieces.PIECE_OF]
+                split_seconds[node.name] = share * seconds(whole)
+            elif node.name in node_seconds and not node.meta.get(pieces.PARTIAL_SUM):
+                split_seconds[node.name] = node_seconds[node.name]
+    split = partition(split_traced, **args, node_seconds=split_seconds)
+    split.mlp_pieces = kept
+    largest = max(s.cost for s in plan.stages)
+    return split if max(s.cost for s in split.stages) < largest * (1.0 - SPLIT_GAIN) else plan
