@@ -1,7 +1,7 @@
 """autopipe: pipeline and tensor parallelism for unmodified PyTorch models."""
 from .api import parallelize
 from .errors import AutopipeError
-from .model import ParallelModel
+from .training.parallel_model import ParallelModel
 from .tracer import trace
 
 __all__ = ["parallelize", "ParallelModel", "AutopipeError", "trace"]

@@ -22,19 +22,19 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.torch_version import TorchVersion
 
-from .agreement import agree
 from .errors import ConfigError, PartitionError, ShardingError
 from .measure import MeasureOptions, RunSetup, measured_plan
 from .partition.device import execution_mode, get_profile
 from .partition.measured import MeasuredCosts
-from .mesh import ParallelDims, build_mesh, default_device
-from .model import ModeStages, ParallelModel, StageRuntime
 from .partition.plan import PartitionPlan
 from .runtime.batchnorm import BatchNormStats, check_batchnorm
 from .failure.monitor import FailureMonitor
 from .runtime.microbatch import SPLITS
 from .runtime.schedule import SCHEDULES, validate
 from .tracer import TracedModel, trace
+from .training.agreement import agree
+from .training.mesh import ParallelDims, build_mesh, default_device
+from .training.parallel_model import ModeStages, ParallelModel, StageRuntime
 from .stages import emit_stages, follow_plan, plan_stages, share_state, split_mlps as cut_mlps
 from .stages.variants import export_retracer, meta_copy, planned_size_only
 

@@ -2,7 +2,7 @@
 
 Both runs take one real step (AdamW makes its state at the first step) on 2 images per
 replica, from the same weights. Reported per rank: the bytes of optimizer state it holds
-(``autopipe.zero.state_bytes``), the parameters whose state it holds, and how much its
+(``autopipe.training.zero.state_bytes``), the parameters whose state it holds, and how much its
 resident memory grew during the optimizer step, where the state is made (glibc's mmap
 threshold is pinned, so every large block comes from fresh pages and goes back when freed,
 and the second run does not reuse the first one's memory). Also checks that both runs end
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import autopipe  # noqa: E402
-from autopipe.zero import held_parameters, state_bytes  # noqa: E402
+from autopipe.training.zero import held_parameters, state_bytes  # noqa: E402
 
 MIB = 2**20
 

@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autopipe
-from autopipe.agreement import _differences, describe
+from autopipe.training.agreement import _differences, describe
 from tests import failing_job as job
 from tests.distributed import run_distributed
 

@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 
 import autopipe
-from autopipe.checkpoint_files import checksum
+from autopipe.training.checkpoint_files import checksum
 from autopipe.errors import CheckpointError
 from tests import failing_job as job
 from tests.distributed import RankError, run_distributed

@@ -1,5 +1,5 @@
 """``parallelize(..., compile_stages=True)``: stages run through torch.compile (inductor) and
-train to the same numbers as one process ([Note: compiled stages] in autopipe/model.py)."""
+train to the same numbers as one process ([Note: compiled stages] in autopipe/runtime/preparation.py)."""
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,4 @@
-"""Zero redundancy over dp ([Note: zero redundancy] in autopipe/zero.py): the optimizer state
+"""Zero redundancy over dp ([Note: zero redundancy] in autopipe/training/zero.py): the optimizer state
 is split over the dp replicas, training matches the unsharded optimizer (with clipping and
 fp16 loss scaling), and checkpoints move between ZeRO and plain optimizers both ways.
 
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import autopipe
 from autopipe.errors import ConfigError
-from autopipe.zero import held_parameters, state_bytes
+from autopipe.training.zero import held_parameters, state_bytes
 from tests.distributed import run_distributed
 from tests.models import ADAMW_MODELS
 

@@ -6,9 +6,9 @@ What a pipeline rank does per micro-batch is run its stage's forward, later its 
 that is what is timed, with nothing else around it:
 - the stage is emitted from the plan (autopipe/stages/emit.py), copied to the device (a model
   planned on the meta device gets random weights: timing needs shapes, not values), and
-  prepared as ``StageRuntime`` prepares it: weight casts and autocast in the compute dtype,
-  activations cast at the boundary, activation checkpointing, ``torch.compile``, CUDA graphs
-  (runtime/graphs.py, one slot);
+  prepared as the runtime prepares it (runtime/preparation.py): weight casts and autocast in
+  the compute dtype, activations cast at the boundary, activation checkpointing,
+  ``torch.compile``, CUDA graphs (runtime/graphs.py, one slot);
 - its inputs are the outputs of the stages before it, computed once in order (no grad), so a
   stage sees the values, dtypes and layouts it will see in training; received activations
   require grad, the model's own inputs do not;
@@ -41,6 +41,7 @@ from autopipe.partition.device import EXECUTION_MODES, _materialise
 from autopipe.partition.plan import PartitionPlan
 from autopipe.runtime.graphs import StageGraphs
 from autopipe.runtime.p2p import TensorSpec
+from autopipe.runtime.preparation import prepare_stage
 from autopipe.runtime.weight_casts import WeightCasts
 from autopipe.stages.emit import emit_stages
 from autopipe.tracer import TracedModel
@@ -136,20 +137,15 @@ def _model_inputs(traced: TracedModel, device: torch.device) -> tuple[torch.Tens
 
 
 def _prepare(stage: nn.Module, setup: RunSetup, *, last: bool) -> nn.Module:
-    """A device copy of ``stage`` set up as StageRuntime sets up its stages."""
-    from autopipe.model import _wrap_forward  # the runtime's own wrapper: stages run as they will
-
+    """A device copy of ``stage`` set up as the runtime sets up its stages."""
     stage = copy.deepcopy(stage)
     _materialise(stage, setup.device)
     stage.recompile()  # _materialise may retarget factory calls traced on the meta device
     stage.train()
     if setup.compute_dtype is not None:
         WeightCasts.install([stage], setup.compute_dtype)
-    if setup.mode.startswith("compiled"):
-        stage.forward = torch.compile(stage.forward, dynamic=False)
-    if setup.compute_dtype is not None or setup.recompute:
-        _wrap_forward(stage, device_type=setup.device.type, compute_dtype=setup.compute_dtype,
-                      cast_outputs=not last, recompute=setup.recompute)
+    prepare_stage(stage, device_type=setup.device.type, compute_dtype=setup.compute_dtype,
+                  compile=setup.mode.startswith("compiled"), recompute=setup.recompute, cast_outputs=not last)
     return stage
 
 

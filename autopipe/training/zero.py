@@ -28,7 +28,7 @@ from typing import Any, Iterable
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 __all__ = ["zero_optimizer", "held_parameters", "local_optimizer", "state_bytes"]
 

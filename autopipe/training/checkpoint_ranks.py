@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch.distributed as dist
 
-from .errors import CheckpointError
-from .failure.monitor import DEFAULT_DEADLINE, active, brief
+from ..errors import CheckpointError
+from ..failure.monitor import DEFAULT_DEADLINE, active, brief
 
 if TYPE_CHECKING:
-    from .model import ParallelModel
+    from .parallel_model import ParallelModel
 
 __all__ = ["world_of", "checkpoint_group", "agree", "from_rank0"]
 

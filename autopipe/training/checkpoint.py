@@ -60,14 +60,14 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .checkpoint_files import ChecksummedWriter, VerifyingReader, checksum, verify
 from .checkpoint_ranks import agree, checkpoint_group, from_rank0, world_of
-from .errors import CheckpointError
-from .stages.mlp_pieces import PieceParam, piece_params
-from .failure.monitor import wait_works
-from .shard.state import merge_shards, shard_tensor
+from ..errors import CheckpointError
+from ..stages.mlp_pieces import PieceParam, piece_params
+from ..failure.monitor import wait_works
+from ..shard.state import merge_shards, shard_tensor
 from .zero import held_parameters, local_optimizer
 
 if TYPE_CHECKING:
-    from .model import ParallelModel
+    from .parallel_model import ParallelModel
 
 __all__ = ["save_checkpoint", "load_checkpoint"]
 

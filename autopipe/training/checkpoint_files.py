@@ -18,7 +18,7 @@ from typing import Any
 
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 __all__ = ["ChecksummedWriter", "VerifyingReader", "checksum", "verify"]
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.distributed_c10d import _get_default_store
 
-from .errors import ConfigError, PipelineFailure
+from ..errors import ConfigError, PipelineFailure
 
 __all__ = ["agree", "describe"]
 

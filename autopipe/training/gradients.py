@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from .failure.monitor import synced, wait_works
+from ..failure.monitor import synced, wait_works
 
 __all__ = ["average_gradients", "sum_gradients", "global_grad_norm", "clip_gradients", "LossScaler"]
 

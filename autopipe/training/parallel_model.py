@@ -8,7 +8,6 @@ state_dict, and saves and loads sharded checkpoints (checkpoint.py).
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import os
 import warnings
@@ -18,94 +17,27 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
 
-from .errors import CheckpointError, InputError
+from ..errors import CheckpointError, InputError
 from .mesh import Mesh
-from .stages.mlp_pieces import merge_pieces, take_piece
-from .partition.plan import PartitionPlan
-from .runtime.batchnorm import BatchNormStats
-from .runtime.driver import PipelineDriver, StageSet
-from .failure.monitor import FailureMonitor, synced, wait_works
-from .failure.objects import all_gather_objects
-from .runtime.p2p import TensorSpec
-from .runtime.timeline import Timeline
-from .runtime.weight_casts import WeightCasts
-from .tracer import TracedModel
-from .training import LossScaler, average_gradients, clip_gradients, global_grad_norm
+from ..stages.mlp_pieces import merge_pieces, take_piece
+from ..partition.plan import PartitionPlan
+from ..runtime.batchnorm import BatchNormStats
+from ..runtime.driver import PipelineDriver, StageSet
+from ..failure.monitor import FailureMonitor, synced, wait_works
+from ..failure.objects import all_gather_objects
+from ..runtime.p2p import TensorSpec
+from ..runtime.preparation import prepare_stage
+from ..runtime.timeline import Timeline
+from ..runtime.weight_casts import WeightCasts
+from ..tracer import TracedModel
+from .gradients import LossScaler, average_gradients, clip_gradients, global_grad_norm
 
 __all__ = ["ModeStages", "ParallelModel", "StageRuntime", "StepResult"]
 
 
 def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
-
-
-def _wrap_forward(stage: nn.Module, *, device_type: str, compute_dtype: torch.dtype | None,
-                  cast_outputs: bool, recompute: bool, norms: BatchNormStats | None = None) -> None:
-    """Run the stage under autocast and/or activation checkpointing; send activations in the
-    compute dtype. The instance attribute shadows the generated ``forward``, so parameter names
-    and the module tree stay those of the plan."""
-    inner = stage.forward
-
-    def run(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if compute_dtype is None:
-            return inner(*inputs)
-        # No cast cache: CUDA graph capture refuses it, and each weight is cast once per call anyway.
-        with torch.autocast(device_type, dtype=compute_dtype, cache_enabled=False):
-            outputs = inner(*inputs)
-        if cast_outputs:
-            outputs = tuple(o.to(compute_dtype) if o.is_floating_point() else o for o in outputs)
-        return outputs
-
-    if recompute:
-        def contexts() -> tuple[Any, Any]:
-            return contextlib.nullcontext(), _recomputation(stage, norms)
-
-        stage.forward = functools.wraps(inner)(
-            lambda *xs: checkpoint(run, *xs, use_reentrant=False, context_fn=contexts))
-    else:
-        stage.forward = run
-
-
-@contextlib.contextmanager
-def _recomputation(stage: nn.Module, norms: BatchNormStats | None) -> Iterator[None]:
-    """A checkpointed forward run again in backward: BatchNorm statistics must not count twice."""
-    with _running_stats_kept(stage), norms.paused() if norms is not None else contextlib.nullcontext():
-        yield
-
-
-@contextlib.contextmanager
-def _running_stats_kept(stage: nn.Module) -> Iterator[None]:
-    """The recomputation of a checkpointed forward runs in train mode again: keep BatchNorm's
-    running statistics as the first forward left them (one update per micro-batch)."""
-    norms = [m for m in stage.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
-             and m.track_running_stats]
-    saved = [[b.clone() for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
-             for m in norms]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for m, kept in zip(norms, saved):
-                for b, k in zip([b for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None],
-                                kept):
-                    b.copy_(k)
-
-
-# [Note: compiled stages]
-# ``compile_stages=True`` hands each stage's generated ``forward`` to ``torch.compile`` (inductor,
-# static shapes: the plan fixes them). Inductor fuses what runs between the GEMMs, forward and
-# backward: norms, activations, bias and residual adds, dtype casts; on one H100, ViT-L in 4
-# micro-batches of 64 went from 831 to 1036 samples/s (benchmarks/microbatch_efficiency.py).
-# The weight-cast linears (autograd Functions) are compiled with the rest; autocast is entered
-# outside, around the compiled call, and dynamo guards on it. Tensor-parallel collectives are
-# traced too (see [Note: traceable collectives] in shard/collectives.py): a stage is one graph.
-# With ``cuda_graphs`` the compiled code is what is captured: compilation happens in the
-# capture's warm-up passes. The first train step pays the compilation, and the first eval step
-# another (no_grad is a different graph), every rank compiling its stages at once before the
-# schedule starts (see [Note: stage warm-up] in runtime/warmup.py); every stage has its own
-# generated code, so stages do not share dynamo's recompilation limit.
 
 
 @dataclass
@@ -149,12 +81,9 @@ class StageRuntime:
         return TensorSpec(tuple(shape), dtype)
 
     def _wrap(self, i: int, stage: nn.Module) -> None:
-        if self.compile_stages:  # see [Note: compiled stages]
-            stage.forward = torch.compile(stage.forward, dynamic=False)
-        if self.compute_dtype is not None or self.activation_checkpointing:
-            _wrap_forward(stage, device_type=self.mesh.device.type, compute_dtype=self.compute_dtype,
-                          cast_outputs=i != self.plan.num_stages - 1, recompute=self.activation_checkpointing,
-                          norms=self.batchnorm)
+        prepare_stage(stage, device_type=self.mesh.device.type, compute_dtype=self.compute_dtype,
+                      compile=self.compile_stages, recompute=self.activation_checkpointing,
+                      cast_outputs=i != self.plan.num_stages - 1, norms=self.batchnorm)
 
     def _variants(self, traced: TracedModel, plan: PartitionPlan, stages: dict[int, nn.Module],
                   retrace: Callable[[int], tuple[TracedModel, PartitionPlan]] | None) -> Callable[[int], Any]:
@@ -162,7 +91,7 @@ class StageRuntime:
         see [Note: stage variants] in stages/variants.py."""
 
         def build(size: int) -> tuple[dict[int, nn.Module], list[list[TensorSpec]]]:
-            from .stages.variants import boundary_values, emit_variant, repropagate
+            from ..stages.variants import boundary_values, emit_variant, repropagate
 
             sized, sized_plan = retrace(size) if retrace is not None else (repropagate(traced, size), plan)
             built = emit_variant(sized, sized_plan, stages)
@@ -358,7 +287,7 @@ class ParallelModel:
             finally:
                 self._runtime.grad_scale = 1.0
             if self._shard_plan is not None and self._shard_plan.sequence_parallel_params:
-                from .shard import reduce_sequence_parallel_grads
+                from ..shard import reduce_sequence_parallel_grads
 
                 reduce_sequence_parallel_grads(self.named_parameters(), self._shard_plan, self._mesh.tp_group)
             self._unsynced = True
@@ -497,7 +426,7 @@ class ParallelModel:
         for s in sorted(self._runtime.stages):
             stage = self._runtime.stages[s]
             if self._shard_plan is not None:
-                from .shard import gather_full_state_dict
+                from ..shard import gather_full_state_dict
 
                 sd = gather_full_state_dict(stage, self._shard_plan, self._mesh.tp_group)
             else:
@@ -592,7 +521,7 @@ class ParallelModel:
             keys = stage.state_dict().keys()
             sub = {k: take_piece(state_dict, k, self.plan.mlp_pieces) for k in keys}
             if self._shard_plan is not None:
-                from .shard import shard_state_dict
+                from ..shard import shard_state_dict
 
                 sub = shard_state_dict(sub, self._shard_plan, self.tp_rank)
             stage.load_state_dict(sub, strict=True)

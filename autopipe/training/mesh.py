@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .errors import ConfigError
-from .runtime.p2p import link_groups
+from ..errors import ConfigError
+from ..runtime.p2p import link_groups
 
 __all__ = ["ParallelDims", "Mesh", "build_mesh"]
 
