@@ -20,9 +20,10 @@ import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
 from autopipe.shard import (ShardRule, apply_sharding, column_parallel_head, gather_full_state_dict,
-                            manual_seed_tp, plan_sharding, reduce_sequence_parallel_grads, register_group,
+                            manual_seed_tp, plan_sharding, register_group,
                             register_rule, unregister_rule)
 from autopipe.tracer import trace
+from autopipe.training.gradients import reduce_sequence_parallel_grads
 from tests import models
 from tests.distributed import run_distributed
 

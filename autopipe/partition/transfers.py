@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..shard import collectives as c
+from ..shard.collectives import BY_FUNCTION
 from .cost import NodeCost
 from .device import DeviceProfile
 
@@ -48,15 +48,8 @@ def cut_latency_seconds(nbytes: float, profile: DeviceProfile) -> float:
 
 def tp_collective_seconds(node: fx.Node, cost: NodeCost, tp: int, profile: DeviceProfile) -> float:
     """Time of the collective a sharded graph's ``node`` runs over ``tp`` ranks, per micro-batch
-    (forward + backward): ring all-reduce moves 2 (tp - 1) / tp of the tensor per rank (f in
-    backward, g in forward), all-gather and reduce-scatter (tp - 1) / tp of the whole tensor.
-    0 for other nodes."""
-    # Ring collectives: reduce-scatter and all-gather each move (tp - 1) / tp of the whole tensor.
-    whole_moves = {c.copy_to_tp: 2 * (tp - 1) / tp, c.reduce_from_tp: 2 * (tp - 1) / tp,
-                   c.gather_from_tp: (tp - 1) / tp,
-                   c.all_gather_tp: 2 * (tp - 1) / tp,  # all-gather forward, reduce-scatter backward
-                   c.reduce_scatter_tp: 2 * (tp - 1),  # its output is 1/tp of the whole: both ways
-                   c.split_to_tp: tp - 1}  # all-gather backward, of a whole tp times its output
-    if node.op != "call_function" or node.target not in whole_moves:
+    (forward + backward; see [Note: collective table] in shard/collectives.py); 0 for other nodes."""
+    collective = BY_FUNCTION.get(node.target) if node.op == "call_function" else None
+    if collective is None:
         return 0.0
-    return profile.transfer_time(whole_moves[node.target] * cost.out_bytes)
+    return profile.transfer_time(collective.moved_by_output(cost.out_bytes, tp))

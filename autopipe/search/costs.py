@@ -21,6 +21,7 @@ from autopipe.partition.cost import MATMUL_KINDS, NodeCost, graph_costs, trainin
 from autopipe.partition.device import COMPILED_FUSION, DeviceProfile
 from autopipe.partition.measured import MeasuredCosts
 from autopipe.partition.cuts import cut_candidates, cut_dag
+from autopipe.shard.collectives import COLLECTIVES
 from autopipe.shard.plan import ShardPlan
 from autopipe.tracer import TracedModel
 
@@ -77,9 +78,8 @@ class GraphCosts:
         position = {n: i for i, n in enumerate(self.order)}
         for c in shard_plan.collectives if shard_plan is not None else ():
             i = position.get(c.src)
-            if i is not None:
-                share = 2 * (self.tp - 1) / self.tp if c.kind in _ALL_REDUCES else (self.tp - 1) / self.tp
-                self.moved_ref[i] += share * (c.fwd_bytes + c.bwd_bytes)
+            if i is not None:  # see [Note: collective table] in shard/collectives.py
+                self.moved_ref[i] += COLLECTIVES[c.kind].moved(max(c.fwd_bytes, c.bwd_bytes), self.tp)
                 self.calls[i] += (c.fwd_bytes > 0) + (c.bwd_bytes > 0)
         self.measured = dict(measured or {})
         self.modules = [owning_module(n) for n in nodes]
@@ -169,7 +169,6 @@ class GraphCosts:
 # adds). The plan's collectives move their payload (a ring all-reduce 2 (tp-1)/tp of it, a
 # gather or scatter (tp-1)/tp) after the node they follow. parallelize() plans the rewritten
 # graph itself; the search only needs to rank.
-_ALL_REDUCES = frozenset({"copy_to_tp", "reduce_from_tp"})
 
 
 def _sharded(costs: Mapping[str, NodeCost], plan: ShardPlan) -> dict[str, NodeCost]:

@@ -1,5 +1,5 @@
 """Megatron-style 1-D tensor parallelism as a graph rewrite: plan (pure data), then apply per rank."""
-from .collectives import reduce_sequence_parallel_grads, register_group
+from .collectives import register_group
 from .plan import ShardPlan, collective_bytes
 from .planner import plan_sharding
 from .rewrite import apply_sharding
@@ -8,7 +8,6 @@ from .rules import ShardRule, column_parallel_head, register_rule, unregister_ru
 from .state import gather_full_state_dict, shard_state_dict
 
 __all__ = [
-    "reduce_sequence_parallel_grads",
     "ShardRule",
     "register_rule",
     "unregister_rule",

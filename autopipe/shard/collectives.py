@@ -1,4 +1,5 @@
-"""Megatron's conjugate operators as autograd Functions, called from ``call_function`` nodes.
+"""Megatron's conjugate operators as autograd Functions, called from ``call_function`` nodes,
+and the table of what each one communicates (see [Note: collective table]).
 
 A node names its process group by a string looked up here at run time, so a sharded
 GraphModule stays printable and picklable; an unset name (``None``) makes every operator
@@ -21,7 +22,8 @@ from ..failure.monitor import FailureMonitor, active
 
 __all__ = [
     "COLLECTIVES",
-    "DIM_COLLECTIVES",
+    "BY_FUNCTION",
+    "Collective",
     "TPGroup",
     "register_group",
     "resolve_group",
@@ -31,7 +33,6 @@ __all__ = [
     "reduce_scatter_tp",
     "all_gather_tp",
     "split_to_tp",
-    "reduce_sequence_parallel_grads",
 ]
 
 
@@ -299,26 +300,54 @@ reduce_scatter_tp = _split_collective(reduce_scatter_tp, _ReduceScatterTP, _firs
 all_gather_tp = _split_collective(all_gather_tp, _AllGatherTP, lambda x, dim, tp: torch.cat([x] * tp, dim=dim))
 split_to_tp = _split_collective(split_to_tp, _SplitToTP, _first_slice)
 
-COLLECTIVES = {
-    "copy_to_tp": copy_to_tp,
-    "reduce_from_tp": reduce_from_tp,
-    "gather_from_tp": gather_from_tp,
-    "reduce_scatter_tp": reduce_scatter_tp,
-    "all_gather_tp": all_gather_tp,
-    "split_to_tp": split_to_tp,
-}
-# Collectives taking (x, dim, group_name, tp); the others take (x, group_name).
-DIM_COLLECTIVES = frozenset({"gather_from_tp", "reduce_scatter_tp", "all_gather_tp", "split_to_tp"})
+# [Note: collective table]
+# Everything autopipe knows of a tensor-parallel collective is its row here: how a node calls
+# it (the rewrite), what it communicates each way (the shard plan's payload bytes) and what that
+# moves per rank (the partitioner's and the search's prices). Ring algorithms: an all-reduce of
+# a tensor moves 2 (tp - 1) / tp of it per rank, an all-gather or a reduce-scatter (tp - 1) / tp
+# of the whole (gathered) tensor; ``RING_UNITS`` counts those in units of (tp - 1) / tp.
+RING_UNITS = {"": 0, "all-reduce": 2, "all-gather": 1, "reduce-scatter": 1}
 
 
-def reduce_sequence_parallel_grads(named_parameters: Any, plan: Any, group: Any) -> None:
-    """Sum over the tp ``group`` the gradients of the parameters a sequence-parallel ``plan``
-    applies to each rank's own samples (``plan.sequence_parallel_params``), after backward
-    and before the optimizer, in flat buckets. Every tp rank must call it."""
-    from ..training import sum_gradients
+@dataclass(frozen=True)
+class Collective:
+    """One tensor-parallel collective; see [Note: collective table]."""
 
-    wanted = set(getattr(plan, "sequence_parallel_params", ()))
-    if not wanted or group is None or dist.get_world_size(group) == 1:
-        return
-    sum_gradients([p for name, p in named_parameters if name in wanted], group,
-                  what="sequence-parallel gradient all-reduce over the tp ranks")
+    name: str
+    fn: Callable[..., torch.Tensor]
+    takes_dim: bool  # called as fn(x, dim, group_name, tp); else as fn(x, group_name)
+    forward: str  # what it communicates forward: a key of RING_UNITS ("" for nothing)
+    backward: str  # and backward
+    scatters: bool = False  # its output is 1/tp of the whole tensor (else the whole one)
+
+    def args(self, x: Any, dim: int | None, group_name: str | None, tp: int) -> tuple[Any, ...]:
+        """The arguments of a node calling it on ``x``."""
+        return (x, dim, group_name, tp) if self.takes_dim else (x, group_name)
+
+    def payload(self, nbytes: int) -> tuple[int, int]:
+        """(forward, backward) bytes it communicates of a whole tensor of ``nbytes``."""
+        return (nbytes if self.forward else 0), (nbytes if self.backward else 0)
+
+    @property
+    def units(self) -> int:
+        """Its forward and backward ring traffic, in units of (tp - 1) / tp of the whole tensor."""
+        return RING_UNITS[self.forward] + RING_UNITS[self.backward]
+
+    def moved(self, whole_bytes: float, tp: int) -> float:
+        """Bytes it moves per rank, forward and backward, for a whole tensor of ``whole_bytes``."""
+        return self.units * (tp - 1) / tp * whole_bytes
+
+    def moved_by_output(self, out_bytes: float, tp: int) -> float:
+        """Bytes it moves per rank, forward and backward, given its output's bytes on one rank."""
+        return self.units * (tp - 1) * out_bytes if self.scatters else self.units * (tp - 1) / tp * out_bytes
+
+
+COLLECTIVES: dict[str, Collective] = {c.name: c for c in (
+    Collective("copy_to_tp", copy_to_tp, False, "", "all-reduce"),
+    Collective("reduce_from_tp", reduce_from_tp, False, "all-reduce", ""),
+    Collective("gather_from_tp", gather_from_tp, True, "all-gather", ""),
+    Collective("reduce_scatter_tp", reduce_scatter_tp, True, "reduce-scatter", "all-gather", scatters=True),
+    Collective("all_gather_tp", all_gather_tp, True, "all-gather", "reduce-scatter"),
+    Collective("split_to_tp", split_to_tp, True, "", "all-gather", scatters=True),
+)}
+BY_FUNCTION: dict[Callable[..., torch.Tensor], Collective] = {c.fn: c for c in COLLECTIVES.values()}

@@ -15,6 +15,7 @@ import torch.fx as fx
 from ..errors import ShardingError
 from ..graph import MODULE_KEY, value_of, value_bytes
 from . import ops
+from .collectives import COLLECTIVES
 from .plan import CollectiveOp, ShapeEdit
 from .rules import Claim
 
@@ -97,7 +98,7 @@ def _dtype(node: fx.Node) -> str:
 #   multiplied back (ShapeEdit "*tp"); other arithmetic on it is refused with a ShardingError;
 # - parameters applied to each rank's samples (norm weights, row-parallel biases, layer
 #   scales) get partial gradients: the plan lists them (sequence_parallel_params) and
-#   reduce_sequence_parallel_grads sums them over tp after backward (ParallelModel does).
+#   training/gradients.py's reduce_sequence_parallel_grads sums them over tp after backward.
 # Communication per layer pair is the same as the all-reduce's (reduce-scatter + all-gather),
 # and activation memory of the split regions drops by tp. Row outputs whose dim 0 does not
 # divide by tp keep the all-reduce.
@@ -136,11 +137,8 @@ class _Propagator:
             c.users = c.users + tuple(u.name for u in users if u.name not in c.users)
             return
         # Bytes of the whole tensor, moved forward and backward (summaries; the partitioner prices
-        # the collective nodes of the rewritten graph itself).
-        nbytes = value_bytes(value_of(src))
-        fwd, bwd = {"copy_to_tp": (0, nbytes), "reduce_from_tp": (nbytes, 0), "gather_from_tp": (nbytes, 0),
-                    "reduce_scatter_tp": (nbytes, nbytes), "all_gather_tp": (nbytes, nbytes),
-                    "split_to_tp": (0, nbytes)}[kind]
+        # the collective nodes of the rewritten graph itself). See [Note: collective table].
+        fwd, bwd = COLLECTIVES[kind].payload(value_bytes(value_of(src)))
         # A reduced node's users see the reduction: a later collective on it takes that.
         after = self.visible.get(src.name, src.name)
         self.collectives[name] = CollectiveOp(name, kind, after, tuple(u.name for u in users), module,

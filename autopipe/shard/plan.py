@@ -68,7 +68,7 @@ class CollectiveOp:
     """A collective node inserted after ``src``; ``users`` are the consumers rewired through it."""
 
     name: str
-    kind: str  # a key of shard.collectives.COLLECTIVES: "copy_to_tp", "reduce_from_tp", "reduce_scatter_tp"...
+    kind: str  # a key of shard.collectives.COLLECTIVES: "copy_to_tp", "reduce_from_tp"...
     src: str
     users: tuple[str, ...]
     module: str

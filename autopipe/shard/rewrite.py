@@ -17,7 +17,7 @@ from ..graph import MODULE_KEY
 from ..tracer import TracedModel
 from ..tracer.shapes import propagate_shapes
 from . import ops
-from .collectives import COLLECTIVES, DIM_COLLECTIVES, register_group
+from .collectives import COLLECTIVES, register_group
 from .modules import ROW_CLASSES, ShardedMultiheadAttention, TPDropout, copy_module
 from .plan import ShardPlan
 from .rng import tp_dropout
@@ -195,9 +195,9 @@ def apply_sharding(traced: TracedModel, shard_plan: ShardPlan, tp_rank: int, *,
 
     for c in plan.collectives:
         src_node = by_name[c.src]
-        args = (src_node, c.dim, gname, tp) if c.kind in DIM_COLLECTIVES else (src_node, gname)
+        kind = COLLECTIVES[c.kind]
         with graph.inserting_after(src_node):
-            last = graph.create_node("call_function", COLLECTIVES[c.kind], args, {}, name=c.name)
+            last = graph.create_node("call_function", kind.fn, kind.args(src_node, c.dim, gname, tp), {}, name=c.name)
         last.meta[MODULE_KEY] = c.module
         if c.bias is not None:
             with graph.inserting_after(last):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -16,7 +16,8 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..failure.monitor import synced, wait_works
 
-__all__ = ["average_gradients", "sum_gradients", "global_grad_norm", "clip_gradients", "LossScaler"]
+__all__ = ["average_gradients", "sum_gradients", "reduce_sequence_parallel_grads", "global_grad_norm",
+           "clip_gradients", "LossScaler"]
 
 BUCKET_BYTES = 25 * 1024 * 1024
 
@@ -61,6 +62,18 @@ def sum_gradients(params: Iterable[torch.nn.Parameter], group: dist.ProcessGroup
     for _, flat, bucket in pending:
         for g, summed in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
             g.copy_(summed)
+
+
+def reduce_sequence_parallel_grads(named_parameters: Any, plan: Any, group: Any) -> None:
+    """Sum over the tp ``group`` the gradients of the parameters a sequence-parallel ``plan``
+    applies to each rank's own samples (``plan.sequence_parallel_params``; see [Note: sequence
+    parallelism] in shard/layout.py), after backward and before the optimizer, in flat buckets.
+    Every tp rank must call it."""
+    wanted = set(getattr(plan, "sequence_parallel_params", ()))
+    if not wanted or group is None or dist.get_world_size(group) == 1:
+        return
+    sum_gradients([p for name, p in named_parameters if name in wanted], group,
+                  what="sequence-parallel gradient all-reduce over the tp ranks")
 
 
 def global_grad_norm(

@@ -31,7 +31,8 @@ from ..runtime.preparation import prepare_stage
 from ..runtime.timeline import Timeline
 from ..runtime.weight_casts import WeightCasts
 from ..tracer import TracedModel
-from .gradients import LossScaler, average_gradients, clip_gradients, global_grad_norm
+from .gradients import (LossScaler, average_gradients, clip_gradients, global_grad_norm,
+                        reduce_sequence_parallel_grads)
 
 __all__ = ["ModeStages", "ParallelModel", "StageRuntime", "StepResult"]
 
@@ -287,8 +288,6 @@ class ParallelModel:
             finally:
                 self._runtime.grad_scale = 1.0
             if self._shard_plan is not None and self._shard_plan.sequence_parallel_params:
-                from ..shard import reduce_sequence_parallel_grads
-
                 reduce_sequence_parallel_grads(self.named_parameters(), self._shard_plan, self._mesh.tp_group)
             self._unsynced = True
             if self._sync:
