@@ -106,15 +106,17 @@ def _add_plan_parser(sub: Any) -> None:
     plan.add_argument("--top", type=int, default=12, help="layouts to list (default 12)")
     plan.add_argument("--json", metavar="PATH", help="write every prediction and refusal as JSON")
     plan.add_argument("--figure", metavar="PATH", help="draw the top layouts and the chosen one's timeline")
+    plan.add_argument("--traceback", action="store_true", help="show the traceback of an internal error")
 
 
 def _plan(args: argparse.Namespace) -> None:
     from .search import LinkModel, plan_layout
     from .search.report import format_search, plot_search
 
-    for path in (args.json, args.figure):
-        if path:
-            _check_writable(path)
+    _check_writable("--json", args.json)
+    _check_writable("--figure", args.figure)
+    if args.figure:
+        check_figure_path(args.figure)
     measured = {}
     for path in args.profile:
         m = MeasuredCosts.load(path)
@@ -139,7 +141,7 @@ def _links(args: argparse.Namespace) -> None:
 
     from .search import measure_links
 
-    _check_writable(args.out)
+    _check_writable("--out", args.out)
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             raise ConfigError("autopipe links measures between processes: launch it with "
@@ -180,6 +182,7 @@ def _add_profile_parser(sub: Any) -> None:
     profile.add_argument("--segments", type=int, default=None, help="segments to time (default by mode)")
     profile.add_argument("--device", default="cuda", help="device to time on (default cuda)")
     profile.add_argument("--out", metavar="PATH", required=True, help="where to write the profile (JSON)")
+    profile.add_argument("--traceback", action="store_true", help="show the traceback of an internal error")
 
 
 _DTYPES = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
@@ -190,7 +193,7 @@ def _profile(args: argparse.Namespace) -> None:
 
     from .measure import ProfileCache, RunSetup, profile_graph
 
-    _check_writable(args.out)
+    _check_writable("--out", args.out)
     dtype = _DTYPES[args.dtype]
     setup = RunSetup(args.device, args.mode, getattr(torch, dtype) if dtype else None, recompute=args.recompute)
     traced, name = planning_graph(args.model, tp=args.tp, microbatches=args.microbatches, batch=args.batch,
@@ -201,13 +204,6 @@ def _profile(args: argparse.Namespace) -> None:
           f"{measured.device} ({measured.mode}, {measured.dtype}): {measured.total * 1e3:.2f} ms forward+backward "
           f"per micro-batch, profiled in {measured.profile_seconds:.1f} s")
     print(f"profile written to {args.out}")
-
-
-def _check_writable(path: str) -> None:
-    """An output path that cannot be written fails before the work, not after it."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-        raise ConfigError(f"cannot write {path!r}: {folder!r} is not a writable folder")
 
 
 def _balance(args: argparse.Namespace) -> str | list[str]:
@@ -291,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"autopipe: error: {exc}", file=sys.stderr)
         return _EXIT_USER_ERROR
     except Exception as exc:  # a bug, autopipe's or the model library's: one line, or --traceback
-        if args.traceback:
+        if getattr(args, "traceback", False):
             raise
         detail = " ".join(str(exc).split())[:300]
         print(f"autopipe: internal error: {type(exc).__name__}: {detail} (a bug; rerun with --traceback "
