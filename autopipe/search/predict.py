@@ -11,8 +11,9 @@ For one layout (search/layouts.py) on one graph (search/costs.py):
 3. the schedule's action lists are replayed with the stages' forward and backward times and
    the transfers between them (search/replay.py): the pipeline's makespan and bubble;
 4. the step adds the data-parallel all-reduce of the gradients (after the last backward, as
-   the runtime does it), the optimizer's pass over its state (memory-bound) and, with mixed
-   precision, the weights' cast;
+   the runtime does it), the global gradient norm (a pass and a scalar all-reduce), the
+   optimizer's pass over its state (memory-bound, AdamW's) and, with mixed precision, the
+   weights' cast;
 5. memory per device: parameters, gradients and optimizer state of its stages (plus bf16
    weight copies under mixed precision) and the saved activations of the micro-batches it
    holds at once (the schedule's in-flight bound; with checkpointing only each stage's input,
@@ -155,11 +156,14 @@ def predict(graph: GraphCosts, layout: Layout, pricing: Pricing, *, timeline: bo
     bandwidth = pricing.profile.mem_bandwidth
     optimizer = most * ADAMW_BYTES_PER_PARAM / bandwidth
     casts = most * (4 + pricing.weight_cast_bytes) / bandwidth if pricing.weight_cast_bytes else 0.0
-    step = run.makespan + all_reduce + optimizer + casts
+    # The global gradient norm step() takes (non-finite steps are skipped): a pass over the
+    # gradients and a scalar all-reduce over the mesh.
+    norm = most * 4 / bandwidth + (link.collective_latency if layout.pp * layout.tp * layout.dp > 1 else 0.0)
+    step = run.makespan + all_reduce + optimizer + casts + norm
     memory = _memory(graph, layout, starts, ends, state, params, size, pricing)
     return Prediction(layout, step, pricing.batch / step, memory, run.bubble,
                       {"pipeline": run.makespan, "dp_all_reduce": all_reduce, "optimizer": optimizer,
-                       "weight_casts": casts},
+                       "weight_casts": casts, "grad_norm": norm},
                       [f + b for f, b in zip(stage_f, stage_b)], list(starts), run.spans)
 
 
