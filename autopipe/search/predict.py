@@ -35,7 +35,7 @@ from .layouts import Layout
 from .links import LinkModel
 from .replay import replay
 
-__all__ = ["Prediction", "predict", "Pricing"]
+__all__ = ["Prediction", "predict", "Pricing", "stage_overhead"]
 
 FRAGMENTATION = 1.10
 ADAMW_BYTES_PER_PARAM = 32.0  # read param, grad, 2 moments; write param, 2 moments (fp32), + grad zeroing
@@ -74,21 +74,6 @@ class Prediction:
                 "starts": self.starts}
 
 
-class _Cuts:
-    """Memoised cuts: one balancer run per graph, stage count, micro-batch size and pricing."""
-
-    def __init__(self) -> None:
-        self.cache: dict[tuple, list[int]] = {}
-
-    def starts(self, key: tuple, solve: Any) -> list[int]:
-        if key not in self.cache:
-            self.cache[key] = solve()
-        return self.cache[key]
-
-
-CUTS = _Cuts()
-
-
 def _node_seconds(graph: GraphCosts, layout: Layout, size: int, pricing: Pricing) -> tuple[np.ndarray, np.ndarray]:
     profile = pricing.profile.with_mode(layout.mode)
     fwd, bwd = graph.node_times(size, profile)
@@ -102,15 +87,17 @@ def _node_seconds(graph: GraphCosts, layout: Layout, size: int, pricing: Pricing
 
 
 def stage_overhead(pricing: Pricing, layout: Layout, graph: GraphCosts, size: int) -> float:
-    measured = graph._measured_for(size)
+    measured = graph.measured_for(size)
     if measured is not None:
         return measured.stage_overhead
     cal = pricing.profile.calibration
     return cal.stage.get(layout.mode.replace("compiled+", "").replace("compiled", "graphs"), 0.0) if cal else 0.0
 
 
-def predict(graph: GraphCosts, layout: Layout, pricing: Pricing, *, timeline: bool = False) -> Prediction:
-    """Price ``layout`` on ``graph`` (its tp-sharded graph); see [Note: step prediction]."""
+def predict(graph: GraphCosts, layout: Layout, pricing: Pricing, *, timeline: bool = False,
+            cuts: dict[tuple, list[int]] | None = None) -> Prediction:
+    """Price ``layout`` on ``graph`` (its tp-sharded graph); see [Note: step prediction].
+    ``cuts`` keeps the balancer's answers between calls (one per graph, stage count, size, mode)."""
     size = layout.microbatch_size(pricing.batch)
     fwd, bwd = _node_seconds(graph, layout, size, pricing)
     ratio = size / graph.reference_size
@@ -128,8 +115,11 @@ def predict(graph: GraphCosts, layout: Layout, pricing: Pricing, *, timeline: bo
         return balancer.solve_overlapped(compute, stages, cut_time=cut_time, cut_latency=cut_latency,
                                          allowed_cuts=graph.allowed, stage_overhead=overhead)
 
-    key = (id(graph), stages, size, layout.mode, layout.recompute, layout.tp, link)
-    starts = CUTS.starts(key, solve)
+    key = (id(graph), stages, size, layout.mode, layout.recompute)
+    cuts = {} if cuts is None else cuts
+    if key not in cuts:
+        cuts[key] = solve()
+    starts = cuts[key]
     ends = starts[1:] + [len(compute)]
     f_prefix, b_prefix = np.concatenate(([0.0], np.cumsum(fwd))), np.concatenate(([0.0], np.cumsum(bwd)))
     stage_f = [float(f_prefix[j] - f_prefix[i]) + overhead / 2 for i, j in zip(starts, ends)]
