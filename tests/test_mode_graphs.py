@@ -120,7 +120,7 @@ def _pipelined(rank: int, world: int, pp: int, tp: int, chunks: int) -> dict[str
     torch.manual_seed(0)
     model = AuxNet().train()
     pm = autopipe.parallelize(model, (torch.randn(BATCH // M, 3, 32, 32),), pp=pp, tp=tp, chunks=chunks,
-                              microbatches=M, loss_fn=aux_loss, device="cpu")
+                              microbatches=M, loss_fn=aux_loss, device="cpu", batchnorm="microbatch")
     optimizer = torch.optim.SGD(pm.parameters(), lr=0.1, momentum=0.9)
     losses = []
     for step in range(STEPS):
