@@ -116,6 +116,8 @@ def _plan(args: argparse.Namespace) -> None:
 
     _check_writable("--json", args.json)
     _check_writable("--figure", args.figure)
+    if args.figure:
+        check_figure_path(args.figure)
     measured = {}
     for path in args.profile:
         m = MeasuredCosts.load(path)
@@ -286,7 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"autopipe: error: {exc}", file=sys.stderr)
         return _EXIT_USER_ERROR
     except Exception as exc:  # a bug, autopipe's or the model library's: one line, or --traceback
-        if args.traceback:
+        if getattr(args, "traceback", False):
             raise
         detail = " ".join(str(exc).split())[:300]
         print(f"autopipe: internal error: {type(exc).__name__}: {detail} (a bug; rerun with --traceback "

@@ -15,7 +15,8 @@ cast of its outputs), the median over segments of what their timing exceeds thei
 and in eager mode the factor that turns the profiler's host times (which the profiler itself
 inflates) into the host times a stage spends. 16 segments by default. On a CPU the ops run
 as they are called, so each segment's wall time is exact: the profiler's op times (which it
-inflates by a few us an op) only split it among the segment's nodes.
+inflates by a few us an op) only split it among the segment's nodes; the whole graph is also
+timed as one stage, and what the segments add up to beyond it is K - 1 stages' fixed cost.
 Compiled modes fuse nodes into kernels no single node owns: there each segment is timed whole
 (24 by default: every one is compiled) and its time spread over its nodes by the analytic model.
 """
@@ -105,7 +106,16 @@ def profile_graph(traced: TracedModel, setup: RunSetup, *, segments: int | None 
     if by_kernels and setup.device.type == "cpu":
         # On a CPU the ops run as they are called, so a segment's wall time is exact and the
         # profiler's own cost (a few us an op) is not: its op times only split the segment.
-        seconds, overhead = spread(segs, order, [sum(detail.get(n, (0.0, 0.0))[:2]) for n in order]), 0.0
+        # Every segment also pays a stage's fixed cost once; the whole graph timed as one stage
+        # tells how much: ``overhead``, which a plan adds once per stage.
+        whole = _share(lambda: {0: time_stages(traced, partition_at(traced, [0], device=analytic,
+                                                                    activation_dtype=setup.compute_dtype),
+                                               setup)[0]} if rank == 0 else {}, group, world)[0].seconds
+        total = sum(seg.seconds for seg in segs)
+        overhead = min(max((total - whole) / max(len(segs) - 1, 1), 0.0), 0.5 * whole)
+        scale = (whole - overhead) / total if total > 0 else 1.0
+        segs = [Segment(seg.start, seg.end, seg.forward * scale, seg.backward * scale) for seg in segs]
+        seconds = spread(segs, order, [sum(detail.get(n, (0.0, 0.0))[:2]) for n in order])
     elif by_kernels:
         seconds, overhead = _from_kernels(plan, stage_timings, setup.mode, modelled)
     else:

@@ -116,7 +116,7 @@ class GraphCosts:
             seconds = np.where((flops > 0) | (nbytes > 0), seconds, 0.0)
             out.append(np.bincount(k.node, weights=seconds, minlength=len(self.costs)))
         fwd, bwd = out
-        measured = self._measured_for(size)
+        measured = self.measured_for(size)
         if measured is not None:
             fwd, bwd = self._from_measured(measured, size, profile, fwd, bwd)
         return fwd, bwd
@@ -133,7 +133,8 @@ class GraphCosts:
                 factors[i] = pair[direction]
         return factors
 
-    def _measured_for(self, size: int) -> MeasuredCosts | None:
+    def measured_for(self, size: int) -> MeasuredCosts | None:
+        """The profile of ``size`` samples, else the one of the nearest size (None without any)."""
         if size in self.measured:
             return self.measured[size]
         return self.measured[min(self.measured, key=lambda s: abs(s - size))] if self.measured else None

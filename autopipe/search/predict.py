@@ -11,8 +11,9 @@ For one layout (search/layouts.py) on one graph (search/costs.py):
 3. the schedule's action lists are replayed with the stages' forward and backward times and
    the transfers between them (search/replay.py): the pipeline's makespan and bubble;
 4. the step adds the data-parallel all-reduce of the gradients (after the last backward, as
-   the runtime does it), the optimizer's pass over its state (memory-bound) and, with mixed
-   precision, the weights' cast;
+   the runtime does it), the global gradient norm (a pass and a scalar all-reduce), the
+   optimizer's pass over its state (memory-bound, AdamW's) and, with mixed precision, the
+   weights' cast;
 5. memory per device: parameters, gradients and optimizer state of its stages (plus bf16
    weight copies under mixed precision) and the saved activations of the micro-batches it
    holds at once (the schedule's in-flight bound; with checkpointing only each stage's input,
@@ -34,7 +35,7 @@ from .layouts import Layout
 from .links import LinkModel
 from .replay import replay
 
-__all__ = ["Prediction", "predict", "Pricing"]
+__all__ = ["Prediction", "predict", "Pricing", "stage_overhead"]
 
 FRAGMENTATION = 1.10
 ADAMW_BYTES_PER_PARAM = 32.0  # read param, grad, 2 moments; write param, 2 moments (fp32), + grad zeroing
@@ -73,21 +74,6 @@ class Prediction:
                 "starts": self.starts}
 
 
-class _Cuts:
-    """Memoised cuts: one balancer run per graph, stage count, micro-batch size and pricing."""
-
-    def __init__(self) -> None:
-        self.cache: dict[tuple, list[int]] = {}
-
-    def starts(self, key: tuple, solve: Any) -> list[int]:
-        if key not in self.cache:
-            self.cache[key] = solve()
-        return self.cache[key]
-
-
-CUTS = _Cuts()
-
-
 def _node_seconds(graph: GraphCosts, layout: Layout, size: int, pricing: Pricing) -> tuple[np.ndarray, np.ndarray]:
     profile = pricing.profile.with_mode(layout.mode)
     fwd, bwd = graph.node_times(size, profile)
@@ -101,15 +87,17 @@ def _node_seconds(graph: GraphCosts, layout: Layout, size: int, pricing: Pricing
 
 
 def stage_overhead(pricing: Pricing, layout: Layout, graph: GraphCosts, size: int) -> float:
-    measured = graph._measured_for(size)
+    measured = graph.measured_for(size)
     if measured is not None:
         return measured.stage_overhead
     cal = pricing.profile.calibration
     return cal.stage.get(layout.mode.replace("compiled+", "").replace("compiled", "graphs"), 0.0) if cal else 0.0
 
 
-def predict(graph: GraphCosts, layout: Layout, pricing: Pricing, *, timeline: bool = False) -> Prediction:
-    """Price ``layout`` on ``graph`` (its tp-sharded graph); see [Note: step prediction]."""
+def predict(graph: GraphCosts, layout: Layout, pricing: Pricing, *, timeline: bool = False,
+            cuts: dict[tuple, list[int]] | None = None) -> Prediction:
+    """Price ``layout`` on ``graph`` (its tp-sharded graph); see [Note: step prediction].
+    ``cuts`` keeps the balancer's answers between calls (one per graph, stage count, size, mode)."""
     size = layout.microbatch_size(pricing.batch)
     fwd, bwd = _node_seconds(graph, layout, size, pricing)
     ratio = size / graph.reference_size
@@ -127,8 +115,11 @@ def predict(graph: GraphCosts, layout: Layout, pricing: Pricing, *, timeline: bo
         return balancer.solve_overlapped(compute, stages, cut_time=cut_time, cut_latency=cut_latency,
                                          allowed_cuts=graph.allowed, stage_overhead=overhead)
 
-    key = (id(graph), stages, size, layout.mode, layout.recompute, layout.tp, link)
-    starts = CUTS.starts(key, solve)
+    key = (id(graph), stages, size, layout.mode, layout.recompute)
+    cuts = {} if cuts is None else cuts
+    if key not in cuts:
+        cuts[key] = solve()
+    starts = cuts[key]
     ends = starts[1:] + [len(compute)]
     f_prefix, b_prefix = np.concatenate(([0.0], np.cumsum(fwd))), np.concatenate(([0.0], np.cumsum(bwd)))
     stage_f = [float(f_prefix[j] - f_prefix[i]) + overhead / 2 for i, j in zip(starts, ends)]
@@ -155,11 +146,14 @@ def predict(graph: GraphCosts, layout: Layout, pricing: Pricing, *, timeline: bo
     bandwidth = pricing.profile.mem_bandwidth
     optimizer = most * ADAMW_BYTES_PER_PARAM / bandwidth
     casts = most * (4 + pricing.weight_cast_bytes) / bandwidth if pricing.weight_cast_bytes else 0.0
-    step = run.makespan + all_reduce + optimizer + casts
+    # The global gradient norm step() takes (non-finite steps are skipped): a pass over the
+    # gradients and a scalar all-reduce over the mesh.
+    norm = most * 4 / bandwidth + (link.collective_latency if layout.pp * layout.tp * layout.dp > 1 else 0.0)
+    step = run.makespan + all_reduce + optimizer + casts + norm
     memory = _memory(graph, layout, starts, ends, state, params, size, pricing)
     return Prediction(layout, step, pricing.batch / step, memory, run.bubble,
                       {"pipeline": run.makespan, "dp_all_reduce": all_reduce, "optimizer": optimizer,
-                       "weight_casts": casts},
+                       "weight_casts": casts, "grad_norm": norm},
                       [f + b for f, b in zip(stage_f, stage_b)], list(starts), run.spans)
 
 

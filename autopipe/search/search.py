@@ -170,11 +170,11 @@ def search_layouts(traced: TracedModel, *, devices: int, batch: int, pricing: Pr
             continue
         step, mem = _estimate(graph, layout, pricing, cuts)
         estimates.append((step, mem, layout))
-    pricing_module.CUTS.cache.clear()
     fitting = sorted((e for e in estimates if memory is None or e[1] <= memory), key=lambda e: e[0])
     ranked: list[Prediction] = []
+    exact_cuts: dict[tuple, list[int]] = {}
     for _, _, layout in fitting[:exact]:
-        p = predict(graphs[(layout.tp, layout.sequence_parallel)], layout, pricing, timeline=timeline)
+        p = predict(graphs[(layout.tp, layout.sequence_parallel)], layout, pricing, timeline=timeline, cuts=exact_cuts)
         if memory is not None and p.memory_bytes > memory:
             rejected.append(Rejected(str(layout), f"needs {p.memory_bytes / 2**30:.1f} GiB per device, over the "
                                                   f"{memory / 2**30:.1f} GiB budget"))
