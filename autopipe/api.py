@@ -1,101 +1,53 @@
 """``parallelize()``: pipeline x tensor x data parallelism for an unmodified model, in one call.
 
-The steps run in this order, each a function of the last (see ARCHITECTURE):
+The steps run in this order, each a function of the last (see docs/architecture.md):
 1. agree on the arguments with every other rank (over the store, with the deadline: see
    [Note: argument agreement]), then check them on this rank (no collective yet, so a mistake
    cannot hang a peer); from here on a failure on any rank reaches every rank;
-2. trace the model to a graph (one per mode where its forward branches on ``self.training``);
-3. shard it for this tp rank (before partitioning: the cost model must see sharded compute);
-4. cut it into ``pp * chunks`` stages (deterministic: every rank computes the same plan);
+2-4. trace the model to a graph (one per mode where its forward branches on ``self.training``),
+   shard it (before partitioning: the cost model must see sharded compute) and cut it into
+   ``pp * chunks`` stages: ``planning.plan_pipeline``, which ``autopipe report`` runs too; the
+   plan is made on tp rank 0's graph, so every rank computes the same plan; then shard the
+   graphs for this tp rank;
 5. build the (pp, dp, tp) mesh, the first collective;
 6. emit this rank's stages, move them to the device, make dp replicas start equal;
 7. hand them to the pipeline driver.
 """
 from __future__ import annotations
 
-import math
 import os
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.torch_version import TorchVersion
 
-from .errors import ConfigError, PartitionError, ShardingError
+from .arguments import PRECISIONS, check_deadline, check_on_this_rank, check_parameters, costs_label, resolve_device
+from .errors import ConfigError, ShardingError
 from .measure import MeasureOptions, RunSetup, measured_plan
-from .partition.device import execution_mode, get_profile
+from .measure.profile import on_rank0
+from .partition.device import execution_mode
 from .partition.measured import MeasuredCosts
 from .partition.plan import PartitionPlan
 from .runtime.batchnorm import BatchNormStats, check_batchnorm
 from .failure.monitor import FailureMonitor
-from .runtime.microbatch import SPLITS
-from .runtime.schedule import SCHEDULES, validate
-from .tracer import TracedModel, trace
+from .planning import Cut, PlannedModel, default_profile, default_schedule, plan_pipeline
+from .shard import apply_sharding, plan_sharding, register_group
+from .search import plan_layout
+from .tracer import TracedModel
 from .training.agreement import agree
-from .training.mesh import ParallelDims, build_mesh, default_device
-from .training.parallel_model import ModeStages, ParallelModel, StageRuntime
-from .stages import emit_stages, follow_plan, plan_stages, share_state, split_mlps as cut_mlps
+from .training.mesh import build_mesh
+from .training.parallel_model import ParallelModel
+from .training.stage_runtime import ModeStages, build_runtime
+from .training.training_state import TrainingState
+from .stages import emit_stages, follow_plan, share_state, cut_mlps
 from .stages.variants import export_retracer, meta_copy, planned_size_only
 
 __all__ = ["parallelize"]
 
-_PRECISIONS = {None: None, "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def _check(loss_fn: Any, schedule: str, pp: int, chunks: int, microbatches: int, mixed_precision: Any,
-           batch_split: str) -> None:
-    if not callable(loss_fn):
-        raise ConfigError("loss_fn must be a callable loss_fn(model_output, target) -> scalar tensor")
-    if schedule not in SCHEDULES or schedule == "forward_only":
-        raise ConfigError(
-            f"schedule={schedule!r}; training schedules are 'gpipe', '1f1b', 'interleaved_1f1b'"
-        )
-    if mixed_precision not in _PRECISIONS:
-        raise ConfigError(f"mixed_precision={mixed_precision!r}; use None, 'bf16' or 'fp16'")
-    if batch_split not in SPLITS:
-        raise ConfigError(f"batch_split={batch_split!r}; use one of {', '.join(map(repr, SPLITS))}")
-    validate(schedule, pp, microbatches, chunks)
-
-
-def _check_costs(costs: Any, measure: Any) -> None:
-    if not (isinstance(costs, (MeasuredCosts, os.PathLike)) or isinstance(costs, str)):
-        raise ConfigError(f"costs={costs!r}; use 'analytic', 'measured', a profile file's path or a MeasuredCosts")
-    if measure is not None and not isinstance(measure, MeasureOptions):
-        raise ConfigError(f"measure={measure!r}; pass autopipe.measure.MeasureOptions(...) or None")
-
-
-def _device(device: torch.device | str | None) -> torch.device:
-    if device is None:
-        return default_device()
-    device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        why = "torch was built without CUDA" if torch.version.cuda is None else "no GPU is visible"
-        raise ConfigError(f"device={str(device)!r}, but there is no CUDA on this machine ({why}: "
-                          "torch.cuda.is_available() is False); pass device='cpu', or run on a machine with a GPU")
-    return device
-
-
-def _check_parameters(plan: PartitionPlan) -> None:
-    """Every pipeline rank must hold parameters: an optimizer over none raises (on that rank
-    alone). Checked on the plan, so every rank refuses alike before the first collective."""
-    for r in range(plan.pp):
-        stages = [s for s in plan.stages if s.pp_rank == r]
-        if not any(s.params for s in stages):
-            held = "; ".join(f"stage {s.index}: module '{s.modules[0]}'" if s.modules[0] == s.modules[1] else
-                             f"stage {s.index}: modules '{s.modules[0]}' to '{s.modules[1]}'" for s in stages)
-            raise PartitionError(
-                f"pipeline rank {r} would hold no parameters ({held}), and an optimizer over no parameters "
-                f"fails on that rank (torch.optim raises on an empty list). Use fewer stages (pp={plan.pp} x "
-                f"chunks={plan.chunks}; {sum(1 for s in plan.stages if s.params)} of these stages hold "
-                "parameters), or balance= cut points that give every pipeline rank a layer with parameters")
-
-
 def _shard_eval_graph(eval_traced: TracedModel, shard_plan: Any, tp_rank: int, rules: Any,
                       sequence_parallel: bool) -> TracedModel:
     """The eval-mode graph sharded as the train-mode graph is: every parameter both hold split alike."""
-    from .shard import apply_sharding, plan_sharding
-
     eval_plan = plan_sharding(eval_traced, shard_plan.tp, rules=rules, sequence_parallel=sequence_parallel)
 
     def layout(p: Any) -> tuple:  # how it splits; which rule said so may differ
@@ -208,10 +160,8 @@ def parallelize(
     # 1. The same arguments on every rank, then local checks: every rank raises the same error
     #    before any collective.
     leaf_modules = tuple(leaf_modules)  # read again by re-traces at other batch sizes
-    schedule = schedule or ("interleaved_1f1b" if chunks > 1 else "1f1b")
-    if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not 0 < deadline < math.inf:
-        raise ConfigError(f"deadline={deadline!r}; pass a positive number of seconds (how long a rank waits "
-                          "for its peers before deciding that one has failed)")
+    schedule = schedule or default_schedule(chunks)
+    check_deadline(deadline)
     agree(dict(
         model=model, example_inputs=tuple(example_inputs), pp=pp, tp=tp, microbatches=microbatches,
         schedule=schedule, chunks=chunks, balance=balance, shard_rules=shard_rules,
@@ -219,136 +169,131 @@ def parallelize(
         mixed_precision=mixed_precision, activation_checkpointing=activation_checkpointing,
         device=None if device is None else torch.device(device).type, profile=profile, cuda_graphs=cuda_graphs,
         split_mlps=split_mlps, compile_stages=compile_stages, batchnorm=batchnorm, batch_split=batch_split,
-        costs=costs if isinstance(costs, str) else os.fspath(costs) if isinstance(costs, os.PathLike) else
-        getattr(costs, "fingerprint", type(costs).__name__),
+        costs=costs_label(costs),
     ), deadline=deadline)
-    if cuda_graphs and tp > 1:
-        raise ConfigError(f"cuda_graphs=True with tp={tp}: stages holding tensor-parallel collectives are "
-                          "not captured; use cuda_graphs=False, or tp=1")
-    if compile_stages and sequence_parallel and tp > 1 and TorchVersion(torch.__version__) < "2.14":
-        # Measured: torch 2.11 trains compiled sequence-parallel stages to wrong parameters (over
-        # gloo on CPU; 2.14 matches one process), while compiled tp without it is right.
-        raise ConfigError(f"compile_stages=True with sequence_parallel=True needs torch >= 2.14; torch "
-                          f"{torch.__version__} compiles the sequence-parallel collectives' gradients wrong. "
-                          "Upgrade torch, or pass sequence_parallel=False (compiled tensor parallelism "
-                          "without it is right) or compile_stages=False")
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    dims = ParallelDims(pp, tp, world)
-    _check(loss_fn, schedule, pp, chunks, microbatches, mixed_precision, batch_split)
-    _check_costs(costs, measure)
-    check_batchnorm(None, batchnorm, cuda_graphs=cuda_graphs)
-    device = _device(device)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    pp_rank, dp_rank, tp_rank = dims.coords(rank)
-    if world > 1 and not dist.is_initialized():
-        raise ConfigError("torch.distributed is not initialised; launch with torchrun and call "
-                          "torch.distributed.init_process_group() first")
-    gloo_on_cuda = device.type == "cuda" and dist.is_initialized() and dist.get_backend() == "gloo"
-    if pp > 1 and gloo_on_cuda:
-        raise ConfigError(f"pp={pp} on CUDA needs the NCCL backend: gloo sends and receives CPU tensors "
-                          "only; init_process_group('nccl'), or device='cpu'")
-    if compile_stages and tp > 1 and gloo_on_cuda:
-        # Measured on torch 2.11: gradients through gloo's all-reduce of CUDA tensors came out as
-        # zeros in compiled backward passes. Gloo compiles right on CPU tensors (tests).
-        raise ConfigError(f"compile_stages=True with tp={tp} on CUDA needs the NCCL backend, not gloo "
-                          "(gloo's CUDA collectives gave zero gradients in compiled backward passes); "
-                          "init_process_group('nccl'), or compile_stages=False")
+    dims, device, rank = check_on_this_rank(
+        loss_fn, schedule, pp=pp, tp=tp, chunks=chunks, microbatches=microbatches, mixed_precision=mixed_precision,
+        batch_split=batch_split, costs=costs, measure=measure, batchnorm=batchnorm, cuda_graphs=cuda_graphs,
+        compile_stages=compile_stages, sequence_parallel=sequence_parallel, device=device)
+    pp_rank, _, tp_rank = dims.coords(rank)
 
-    # 2. Trace (two graphs where the model's forward branches on self.training).
-    traced = trace(model, tuple(example_inputs), leaf_modules=leaf_modules, exec_sequence=exec_sequence)
-    # torch.export bakes the micro-batch size in: other sizes trace this copy again, taken
-    # before any module is changed (see [Note: stage variants]).
-    template, uncopied = None, ""
-    if traced.route == "export":
-        try:
-            template = meta_copy(model)
-        except Exception as exc:  # noqa: BLE001 - only other batch sizes need it; they say why
-            uncopied = f"{type(model).__name__} could not be copied to trace it again ({type(exc).__name__}: {exc})"
-    eval_traced = traced.eval_traced
-
-    # 3. Shard for this tp rank. Measured costs time tp rank 0's graph with its collectives
-    # standing in (no group yet, and every rank must time the same graph): a plan names nodes,
-    # which every rank's sharded graph shares.
-    shard_plan = None
-    planning_graph = traced
-    if tp > 1:
-        from .shard import apply_sharding, plan_sharding
-
-        shard_plan = plan_sharding(traced, tp, rules=shard_rules, sequence_parallel=sequence_parallel)
-        rank_graph = apply_sharding(traced, shard_plan, tp_rank, group="tp")
-        planning_graph = rank_graph if costs == "analytic" else apply_sharding(traced, shard_plan, 0)
-        traced = rank_graph
-        if eval_traced is not None:
-            eval_traced = _shard_eval_graph(eval_traced, shard_plan, tp_rank, shard_rules, sequence_parallel)
-
-    # 4. Partition.
+    # 2-4. Trace, shard and partition (see the module's docstring), then this rank's graphs.
     mode = execution_mode(cuda_graphs=cuda_graphs, compile_stages=compile_stages)
-    args = dict(
-        pp=pp, chunks=chunks, tp=tp, microbatches=microbatches, balance=balance, schedule=schedule,
-        device=get_profile(profile or ("h100" if device.type == "cuda" else "cpu")).with_mode(mode),
-        model_name=type(model).__name__,
+    front = plan_pipeline(
+        model, example_inputs, pp=pp, chunks=chunks, tp=tp, microbatches=microbatches, schedule=schedule,
+        balance=balance, profile=default_profile(profile, device.type), mode=mode, shard_rules=shard_rules,
+        sequence_parallel=sequence_parallel, leaf_modules=leaf_modules, exec_sequence=exec_sequence,
+        split_mlps=split_mlps, cut=_measured_cut(costs, measure, device, mode, PRECISIONS[mixed_precision],
+                                                 activation_checkpointing),
         # Under autocast, floating activations cross stage boundaries in the compute dtype (the
-        # stages cast them; see model._wrap_forward): the cuts are priced and sized in it.
-        activation_dtype=_PRECISIONS[mixed_precision], split_mlps=split_mlps,
+        # stages cast them; see runtime/preparation.py): the cuts are priced and sized in it.
+        activation_dtype=PRECISIONS[mixed_precision],
     )
-    if costs == "analytic":
-        plan = plan_stages(traced, **args)
-    else:  # see [Note: measured costs]
-        setup = RunSetup(device, mode, _PRECISIONS[mixed_precision], recompute=activation_checkpointing)
-        plan = measured_plan(planning_graph, setup, args, options=measure or MeasureOptions(),
-                             measured=None if costs == "measured" else costs)
-    traced = cut_mlps(traced, plan.mlp_pieces)  # the graph the plan names
+    plan, shard_plan = front.plan, front.shard_plan
+    template = _export_template(model, front.traced)
+    traced, eval_traced = _rank_graphs(front, tp_rank, shard_rules, sequence_parallel)
+    retrace = _retracer(template, traced, front, leaf_modules=leaf_modules, tp_rank=tp_rank,
+                        shard_rules=shard_rules, sequence_parallel=sequence_parallel)
     check_batchnorm(traced.gm, batchnorm)
-    _check_parameters(plan)
+    check_parameters(plan)
 
     # 5. Mesh (the first collective).
     mesh = build_mesh(dims, device)
     if tp > 1:
-        from .shard.collectives import register_group
-
         register_group("tp", mesh.tp_group)
 
     # 6. This rank's stages. From here on a rank that fails alone (out of memory) records it,
     #    and the others raise instead of waiting: see [Note: failure propagation].
     monitor = FailureMonitor.for_world(dims.name(rank), deadline=deadline, threaded=device.type == "cpu")
-    local = [s.index for s in plan.stages if s.pp_rank == pp_rank]
     with monitor.guard():
-        stages = {i: m.to(device) for i, m in emit_stages(traced, plan, local).items()}
-        eval_stages = None
-        if eval_traced is not None:  # see [Note: one graph per mode]
-            eval_traced, eval_plan = follow_plan(traced, plan, eval_traced)
-            eval_stages = ModeStages(eval_plan, eval_traced, {
-                i: share_state(m, stages[i]).to(device) for i, m in emit_stages(eval_traced, eval_plan, local).items()})
+        stages, eval_stages = _emit(traced, eval_traced, plan, pp_rank, device)
     norms = BatchNormStats.install(stages.values(), batchnorm, mesh.dp_group, dims.dp)
 
-    retrace = planned_size_only(uncopied) if uncopied else None
-    if template is not None:
-        retrace = export_retracer(template, traced, plan, leaf_modules=leaf_modules, tp=tp, tp_rank=tp_rank,
-                                  shard_rules=shard_rules, sequence_parallel=sequence_parallel)
-    runtime = StageRuntime(
+    # 7. The runtime: stages prepared to run, the driver started.
+    runtime = build_runtime(
         plan=plan, traced=traced, stages=stages, mesh=mesh, schedule=schedule, loss_fn=loss_fn,
-        compute_dtype=_PRECISIONS[mixed_precision], activation_checkpointing=activation_checkpointing,
+        compute_dtype=PRECISIONS[mixed_precision], activation_checkpointing=activation_checkpointing,
         deadline=deadline, record_timeline=record_timeline, cuda_graphs=cuda_graphs,
         compile_stages=compile_stages, batchnorm=norms, retrace=retrace, batch_split=batch_split, monitor=monitor,
-        eval_stages=eval_stages, training=model.training,
+        eval_stages=eval_stages, training=model.training, state=TrainingState.for_precision(mixed_precision == "fp16"),
     )
-    pm = ParallelModel(model, runtime, shard_plan=shard_plan, fp16=mixed_precision == "fp16")
+    pm = ParallelModel(model, runtime, shard_plan=shard_plan)
     pm.search = search
     return pm
+
+
+def _measured_cut(costs: Any, measure: MeasureOptions | None, device: torch.device, mode: str,
+                  compute_dtype: torch.dtype | None, recompute: bool) -> Cut | None:
+    """How the front door cuts with measured costs (None: with the analytic model); see
+    [Note: measured costs]."""
+    if isinstance(costs, str) and costs == "analytic":
+        return None
+    setup = RunSetup(device, mode, compute_dtype, recompute=recompute)
+
+    def cut(graph: TracedModel, args: dict[str, Any]) -> PartitionPlan:
+        return measured_plan(graph, setup, args, options=measure or MeasureOptions(),
+                             measured=None if costs == "measured" else costs)
+
+    return cut
+
+
+def _export_template(model: nn.Module, traced: TracedModel) -> nn.Module | str | None:
+    """torch.export bakes the micro-batch size in: other sizes trace a copy of the model again,
+    taken before any module is changed (see [Note: stage variants]). None where the graph
+    follows any size; why not, where the model cannot be copied."""
+    if traced.route != "export":
+        return None
+    try:
+        return meta_copy(model)
+    except Exception as exc:  # noqa: BLE001 - only other batch sizes need it; they say why
+        return f"{type(model).__name__} could not be copied to trace it again ({type(exc).__name__}: {exc})"
+
+
+def _retracer(template: nn.Module | str | None, traced: TracedModel, front: PlannedModel, *, leaf_modules: tuple,
+              tp_rank: int, shard_rules: Any, sequence_parallel: bool) -> Any:
+    """How this rank's graph is made at another micro-batch size, from :func:`_export_template`."""
+    if template is None:
+        return None
+    if isinstance(template, str):
+        return planned_size_only(template)
+    tp = front.shard_plan.tp if front.shard_plan is not None else 1
+    return export_retracer(template, traced, front.plan, leaf_modules=leaf_modules, tp=tp, tp_rank=tp_rank,
+                           shard_rules=shard_rules, sequence_parallel=sequence_parallel)
+
+
+def _rank_graphs(front: PlannedModel, tp_rank: int, shard_rules: Any,
+                 sequence_parallel: bool) -> tuple[TracedModel, TracedModel | None]:
+    """This tp rank's train-mode graph as the plan names it (MLP pieces cut), and its eval-mode
+    graph where the model has one."""
+    traced, eval_traced = front.traced, front.traced.eval_traced
+    if front.shard_plan is not None:
+        traced = apply_sharding(traced, front.shard_plan, tp_rank, group="tp")
+        if eval_traced is not None:
+            eval_traced = _shard_eval_graph(eval_traced, front.shard_plan, tp_rank, shard_rules, sequence_parallel)
+    return cut_mlps(traced, front.plan.mlp_pieces), eval_traced
+
+
+def _emit(traced: TracedModel, eval_traced: TracedModel | None, plan: PartitionPlan, pp_rank: int,
+          device: torch.device) -> tuple[dict[int, nn.Module], ModeStages | None]:
+    """This pipeline rank's stages on ``device``, and its eval-mode stages sharing their state."""
+    local = [s.index for s in plan.stages if s.pp_rank == pp_rank]
+    stages = {i: m.to(device) for i, m in emit_stages(traced, plan, local).items()}
+    if eval_traced is None:
+        return stages, None
+    eval_traced, eval_plan = follow_plan(traced, plan, eval_traced)  # see [Note: one graph per mode]
+    return stages, ModeStages(eval_plan, eval_traced, {
+        i: share_state(m, stages[i]).to(device) for i, m in emit_stages(eval_traced, eval_plan, local).items()})
 
 
 def _choose_layout(model: nn.Module, example_inputs: tuple, *, batch: Any, device: Any, profile: str | None,
                    costs: Any, mixed_precision: str | None, deadline: float) -> tuple[Any, Any, tuple]:
     """The search's best layout for this world, the same on every rank (rank 0 searches), and one
     micro-batch of the example inputs at its size."""
-    from .measure.profile import on_rank0
-    from .search import plan_layout
-
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ConfigError(f"pp='auto' needs batch=, the global batch per step over every replica, got {batch!r}")
     world = dist.get_world_size() if dist.is_initialized() else 1
-    device = _device(device)
-    name = profile or ("h100" if device.type == "cuda" else "cpu")
+    device = resolve_device(device)
+    name = default_profile(profile, device.type)
     memory = torch.cuda.get_device_properties(device).total_memory * 0.9 if device.type == "cuda" else None
     measured = None
     if isinstance(costs, MeasuredCosts) or (isinstance(costs, (str, os.PathLike)) and costs not in ("analytic", "measured")):

@@ -14,13 +14,19 @@ import os
 import sys
 from typing import Any, Sequence
 
+import torch
+import torch.distributed as dist
+
 from .errors import AutopipeError, ConfigError
+from .measure import ProfileCache, RunSetup, profile_graph
 from .partition.device import EXECUTION_MODES, PROFILES
 from .partition.measured import MeasuredCosts
 from .partition.partitioner import BALANCE_MODES
 from .partition.report import check_figure_path, plot
 from .planning import plan_model, planning_graph
 from .runtime.schedule import SCHEDULES
+from .search import LinkModel, measure_links, plan_layout
+from .search.report import format_search, plot_search
 
 __all__ = ["main", "build_parser"]
 
@@ -111,9 +117,6 @@ def _add_plan_parser(sub: Any) -> None:
 
 
 def _plan(args: argparse.Namespace) -> None:
-    from .search import LinkModel, plan_layout
-    from .search.report import format_search, plot_search
-
     _check_writable("--json", args.json)
     _check_writable("--figure", args.figure)
     if args.figure:
@@ -137,11 +140,6 @@ def _plan(args: argparse.Namespace) -> None:
 
 
 def _links(args: argparse.Namespace) -> None:
-    import torch
-    import torch.distributed as dist
-
-    from .search import measure_links
-
     _check_writable("--out", args.out)
     if not dist.is_initialized():
         if "RANK" not in os.environ:
@@ -190,10 +188,6 @@ _DTYPES = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
 
 
 def _profile(args: argparse.Namespace) -> None:
-    import torch
-
-    from .measure import ProfileCache, RunSetup, profile_graph
-
     _check_writable("--out", args.out)
     dtype = _DTYPES[args.dtype]
     setup = RunSetup(args.device, args.mode, getattr(torch, dtype) if dtype else None, recompute=args.recompute)

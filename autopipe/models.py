@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 
-from .errors import ConfigError
+from .errors import ConfigError, positive_int
 
 __all__ = ["load_model", "default_input", "PREFIXES"]
 
@@ -249,8 +249,7 @@ def default_input(
     ``image_size`` overrides the guess; a spec string is loaded on meta first. A model that does
     not take an image batch (transformers' ImageGPT takes token ids) raises ConfigError.
     """
-    if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
-        raise ConfigError(f"batch must be a positive integer, got {batch!r}")
+    positive_int("batch", batch)
     model = load_model(model_or_spec, image_size=image_size) if isinstance(model_or_spec, str) else model_or_spec
     _check_image_input(model)
     channels, h, w = _image_shape(model)

@@ -39,7 +39,7 @@ TARGET = 1.15
 def _stage_seconds(plan: Any, node_seconds: dict[str, float], traced: Any) -> list[float]:
     piece_of = {}
     if plan.mlp_pieces:
-        split = mlp_pieces.split_mlps(traced, plan.mlp_pieces)
+        split = mlp_pieces.cut_mlps(traced, plan.mlp_pieces)
         piece_of = {n.name: n.meta[mlp_pieces.PIECE_OF] for n in split.gm.graph.nodes if mlp_pieces.PIECE_OF in n.meta}
     out = []
     for stage in plan.stages:

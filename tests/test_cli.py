@@ -9,8 +9,10 @@ import pytest
 import torch
 import torch.nn as nn
 
+import autopipe
 from autopipe.cli import main
 from autopipe.partition.plan import PartitionPlan
+from tests.distributed import run_distributed
 
 
 class Block(nn.Module):
@@ -151,3 +153,27 @@ def test_help_describes_model_and_image_size_default(capsys: pytest.CaptureFixtu
     text = " ".join(capsys.readouterr().out.split())
     assert "MODEL the model: timm:NAME, torchvision:NAME, hf:CLASS or package.module:factory" in text
     assert "input height and width (default: the model's own" in text
+
+
+def _parallelized_plan(rank: int, world: int, microbatch: int) -> dict:
+    from tests.models import timm_vit
+
+    torch.manual_seed(0)
+    pm = autopipe.parallelize(timm_vit(), (torch.randn(microbatch, 3, 32, 32),), pp=2, tp=2, microbatches=2,
+                              device="cpu", loss_fn=torch.nn.functional.cross_entropy)
+    return json.loads(pm.plan.to_json())  # as the report writes it (tuples as lists)
+
+
+def test_report_gives_the_plan_parallelize_runs(tmp_path) -> None:
+    """One front door: `autopipe report` prints the plan that parallelize runs for the same
+    arguments (pp x tp, micro-batches, the CPU's profile), tp rank 0's graph planned by both."""
+    out = tmp_path / "plan.json"
+    assert main(["report", "tests.models:timm_vit", "--pp", "2", "--tp", "2", "--batch", "8",
+                 "--microbatches", "2", "--device", "cpu", "--json", str(out)]) == 0
+    reported = json.loads(out.read_text())
+    ran = run_distributed(_parallelized_plan, 4, 4, timeout=300)
+    assert all(r == ran[0] for r in ran)  # every rank runs one plan
+    # The model's label differs (the spec against the class name); the measured-only fields are empty.
+    assert reported.pop("model") == "tests.models:timm_vit" and ran[0].pop("model") == "VisionTransformer"
+    assert reported["tp"] == 2 and len(reported["stages"]) == 2 and reported["refinement"] == []
+    assert reported == ran[0]

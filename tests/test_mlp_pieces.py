@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import autopipe
 from autopipe.stages.emit import emit_stages, run_chain
 from autopipe.errors import ConfigError, PartitionError
-from autopipe.stages.mlp_pieces import merge_pieces, piece_params, split_mlps, take_piece
+from autopipe.stages.mlp_pieces import merge_pieces, piece_params, cut_mlps, take_piece
 from autopipe.partition.partitioner import partition
 from autopipe.stages.piece_plan import SPLIT_GAIN, plan_stages
 from autopipe.partition.plan import PartitionPlan
@@ -35,8 +35,8 @@ def _x(n: int = 2, seed: int = 1):
 def test_split_mlps_gives_the_same_outputs_and_gradients():
     model = _model()
     traced = trace(model, (_x(),))
-    split = split_mlps(traced, PIECES)
-    assert split_mlps(split, PIECES) is split  # already cut this way
+    split = cut_mlps(traced, PIECES)
+    assert cut_mlps(split, PIECES) is split  # already cut this way
     names = {n.target for n in split.gm.graph.nodes if n.op == "call_module"}
     assert {"blocks.1.mlp.fc1_piece2", "blocks.1.mlp.fc2_piece2"} <= names and "blocks.0.mlp.fc1" not in names
     assert "blocks.0.mlp.fc1" in {n.target for n in traced.gm.graph.nodes if n.op == "call_module"}  # untouched
@@ -94,11 +94,11 @@ def test_the_partitioner_cuts_an_mlp_when_that_balances_better():
 def test_bad_pieces_are_refused():
     traced = trace(_model(), (_x(),))
     with pytest.raises(PartitionError, match="'blocks.0.attn.qkv'"):
-        split_mlps(traced, {"blocks.0.attn.qkv": {"fc2": "blocks.0.attn.proj", "hidden": [0, 8, 192]}})
+        cut_mlps(traced, {"blocks.0.attn.qkv": {"fc2": "blocks.0.attn.proj", "hidden": [0, 8, 192]}})
     with pytest.raises(PartitionError, match="hidden boundaries"):
-        split_mlps(traced, {"blocks.0.mlp.fc1": {"fc2": "blocks.0.mlp.fc2", "hidden": [0, 600, 512]}})
+        cut_mlps(traced, {"blocks.0.mlp.fc1": {"fc2": "blocks.0.mlp.fc2", "hidden": [0, 600, 512]}})
     with pytest.raises(ConfigError, match="before any MLP pieces"):
-        plan_stages(split_mlps(traced, PIECES), 2)
+        plan_stages(cut_mlps(traced, PIECES), 2)
 
 
 # ----------------------------------------------------------------------------- on 4 processes

@@ -98,7 +98,7 @@ def _planned(traced: TracedModel, plan: PartitionPlan, seconds: dict[str, float]
     """Each stage's profiled seconds by segment group; an MLP piece counts its share of its node."""
     piece_of = {}
     if plan.mlp_pieces:
-        split = mlp_pieces.split_mlps(traced, plan.mlp_pieces)
+        split = mlp_pieces.cut_mlps(traced, plan.mlp_pieces)
         piece_of = {n.name: n.meta[mlp_pieces.PIECE_OF] for n in split.gm.graph.nodes
                     if mlp_pieces.PIECE_OF in n.meta}
     out = []

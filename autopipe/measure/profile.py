@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from autopipe.errors import ProfileError
+from autopipe.errors import ProfileError, positive_int
 from autopipe.partition import balance as balancer
 from autopipe.partition.device import DeviceProfile, get_profile
 from autopipe.partition.measured import MeasuredCosts, Segment, dtype_name, fingerprint, spread
@@ -47,8 +47,7 @@ DEFAULT_SEGMENTS = {"eager": 16, "graphs": 16, "compiled": 24, "compiled+graphs"
 
 def segment_starts(traced: TracedModel, count: int, analytic: DeviceProfile | str = "h100") -> list[int]:
     """Start positions of at most ``count`` segments; see [Note: segments]."""
-    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-        raise ProfileError(f"segments must be a positive integer, got {count!r}")
+    positive_int("segments", count, ProfileError)
     seconds = analytic_seconds(traced, analytic)
     order = [n.name for n in traced.gm.graph.nodes if n.op != "output"]
     # A cut is a candidate only where work was done since the last one: a segment of views

@@ -9,6 +9,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .report import format_table
+
 __all__ = ["SCHEMA_VERSION", "CutTensor", "StagePlan", "PartitionPlan"]
 
 SCHEMA_VERSION = 2
@@ -110,6 +112,4 @@ class PartitionPlan:
         return cls(stages=stages, **rest)
 
     def __str__(self) -> str:
-        from .report import format_table
-
         return format_table(self)

@@ -41,6 +41,7 @@ import torch.nn as nn
 
 from autopipe.errors import ConfigError
 from autopipe.graph import MODULE_KEY
+from autopipe.runtime.sync_batchnorm import synchronise
 
 __all__ = ["MODES", "BatchNormStats", "check_batchnorm"]
 
@@ -218,8 +219,6 @@ class BatchNormStats:
         if mode == "microbatch" or not norms:
             return None
         if mode == "sync" and dp > 1:
-            from autopipe.runtime.sync_batchnorm import synchronise
-
             for m in norms:
                 synchronise(m, dp_group)
         return cls(norms, dp_group, dp)

@@ -23,23 +23,14 @@ from autopipe.runtime.microbatch import SPLITS, batch_size, merge, microbatch_si
 from autopipe.runtime.p2p import (
     P2P, BufferPool, Link, TensorSpec, Transfer, check_boundary, floating_indices, link_groups,
 )  # fmt: skip
+from autopipe.runtime.program import Compute, PointToPoint, Step, Transfers, compile_program
 from autopipe.runtime.schedule import ActionKind, rank_actions, validate
-from autopipe.runtime.streams import posting_order
 from autopipe.runtime.timeline import Timeline
 from autopipe.runtime.warmup import warm_up
 
 __all__ = ["PipelineDriver", "StageSet"]
 
 # pp: pipeline ranks; m: micro-batches; S = pp * chunks stages, stage s on rank s % pp.
-F, B = ActionKind.FORWARD, ActionKind.BACKWARD
-SENDS = (ActionKind.SEND_ACT, ActionKind.SEND_GRAD)
-_LABELS = {  # how errors name a transfer; completed with "pipeline rank <peer>"
-    ActionKind.SEND_ACT: "send of stage {s}'s output (micro-batch {mb}) to",
-    ActionKind.RECV_ACT: "receive of stage {s}'s input (micro-batch {mb}) from",
-    ActionKind.SEND_GRAD: "send of the gradient of stage {s}'s input (micro-batch {mb}) to",
-    ActionKind.RECV_GRAD: "receive of the gradient of stage {s}'s output (micro-batch {mb}) from",
-}
-Step = tuple[Callable[[Any, Any], None], Any, Any]
 
 
 @dataclass
@@ -250,8 +241,8 @@ class PipelineDriver:
         if not self._graphs:
             actions: dict[int, list[tuple[str, int]]] = {s: [] for s in self.stages}
             for a in rank_actions(self.schedule, self.pp, self.microbatches, self.chunks, self.pp_rank):
-                if a.kind is F or a.kind is B:
-                    actions[a.stage].append(("F" if a.kind is F else "B", a.microbatch))
+                if a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD):
+                    actions[a.stage].append(("F" if a.kind is ActionKind.FORWARD else "B", a.microbatch))
             slots = slots_per_stage(actions)
             for s in sorted(self.stages):
                 self._graphs[s] = StageGraphs(self.stages[s], *self.shapes.stage_inputs(s), slots[s], self.device)
@@ -262,37 +253,16 @@ class PipelineDriver:
         """The bound steps of ``schedule`` over ``m`` micro-batches, compiled once."""
         if (schedule, m) not in self._programs:
             validate(schedule, self.pp, m, self.chunks)
-            self._programs[(schedule, m)] = self._compile(schedule, m)
+            self._programs[(schedule, m)] = compile_program(schedule, self.pp, m, self.chunks, self.pp_rank)
         return self._programs[(schedule, m)]
-
-    def _compile(self, schedule: str, m: int) -> list[Step]:
-        """Bound steps for the action list in posting order (see [Note: transfer streams] in
-        streams.py); the transfers between two computes are posted by one step."""
-        steps: list[Step] = []
-        batch: list[tuple] = []
-        actions = rank_actions(schedule, self.pp, m, self.chunks, self.pp_rank)
-        for a in posting_order(actions):
-            s, mb = a.stage, a.microbatch
-            if a.kind is F or a.kind is B:
-                if batch:
-                    steps.append((self._transfer, tuple(batch), None))
-                    batch = []
-                steps.append((self._forward if a.kind is F else self._backward, s, mb))
-                continue
-            peer = (s + 1 if a.kind in (ActionKind.SEND_ACT, ActionKind.RECV_GRAD) else s - 1) % self.pp
-            what = _LABELS[a.kind].format(s=s, mb=mb) + f" pipeline rank {peer}"
-            batch.append((a.kind, s, mb, peer, what))
-        if batch:
-            steps.append((self._transfer, tuple(batch), None))
-        return steps
 
     def _links_used(self) -> list[Link]:
         """The directed links this rank's programs send or receive on."""
         used = set()
-        for step, batch, _ in (self._train_program or []) + self._eval_program:
-            if step == self._transfer:
-                for kind, _, _, peer, _ in batch:
-                    used.add((self.pp_rank, peer) if kind in SENDS else (peer, self.pp_rank))
+        for step in (self._train_program or []) + self._eval_program:
+            if isinstance(step, Transfers):
+                for t in step.transfers:
+                    used.add((self.pp_rank, t.peer) if t.send else (t.peer, self.pp_rank))
         return sorted(used)
 
     def _reset(self) -> None:
@@ -354,8 +324,11 @@ class PipelineDriver:
         return program
 
     def _run(self, program: list[Step]) -> None:
-        for step, a, b in program:
-            step(a, b)
+        for step in program:
+            if isinstance(step, Compute):
+                (self._forward if step.forward else self._backward)(step.stage, step.microbatch)
+            else:
+                self._transfer(step.transfers)
         while self._sends:
             pending, handle = self._sends.popleft()
             self.monitor.wait(pending, handle.what, on_stream=True)
@@ -451,21 +424,22 @@ class PipelineDriver:
             self.pool.release(("grad", s, self._size(mb)), gbufs,
                               live=in_grads + [r.grad for r, _ in pairs if r.is_leaf])
 
-    def _transfer(self, batch: tuple, _: None) -> None:
+    def _transfer(self, batch: tuple[PointToPoint, ...]) -> None:
         while self._sends and self._sends[0][0].done():
             self._sends.popleft()  # lets go of the delivered tensors
         transfers, receives = [], []
-        for kind, s, mb, peer, what in batch:
-            if kind in SENDS:
+        for t in batch:
+            kind, s, mb = t.kind, t.stage, t.microbatch
+            if t.send:
                 tensors = [t.contiguous() for t in self._outbox.pop((s, mb))]
             elif kind is ActionKind.RECV_ACT:
                 tensors = self.pool.acquire(("act", s, self._size(mb)), self._mb_shapes[mb][1][s - 1])
             else:
                 specs = self._mb_shapes[mb][1][s]
                 tensors = self.pool.acquire(("grad", s, self._size(mb)), [specs[i] for i in self._out_float[s]])
-            if kind not in SENDS:
+            if not t.send:
                 receives.append((len(transfers), (kind, s, mb), tensors))
-            transfers.append(Transfer(kind in SENDS, tensors, peer, what))
+            transfers.append(Transfer(t.send, tensors, t.peer, t.what))
         handles = self.p2p.post(transfers)
         for i, key, tensors in receives:
             self._recv[key] = (tensors, handles[i])

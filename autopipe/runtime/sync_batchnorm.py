@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from autopipe.shard.collectives import all_gather_tp, register_group
+
 __all__ = ["sync_batch_norm", "synchronise"]
 
 GROUP = "autopipe.batchnorm.dp"  # the name the traceable collectives look the dp group up by
@@ -36,8 +38,6 @@ GROUP = "autopipe.batchnorm.dp"  # the name the traceable collectives look the d
 def sync_batch_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
                     group: str, size: int) -> torch.Tensor:
     """BatchNorm of ``x`` (N, C, ...) in training, with the statistics of every replica's ``x``."""
-    from autopipe.shard.collectives import all_gather_tp
-
     xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x  # statistics in fp32 under autocast
     var, mean = torch.var_mean(xf, dim=[0, *range(2, x.dim())], correction=0)
     stats = all_gather_tp(torch.stack([mean, var]), 0, group, size).view(size, 2, -1)
@@ -68,7 +68,5 @@ def _forward(m: nn.modules.batchnorm._BatchNorm, original: object, size: int, x:
 def synchronise(m: nn.modules.batchnorm._BatchNorm, dp_group: dist.ProcessGroup) -> None:
     """Make ``m`` normalise over ``dp_group`` in train() (an instance ``forward``: its parameters,
     buffers and state_dict names stay). ``check_batchnorm`` vetted its class."""
-    from autopipe.shard.collectives import register_group
-
     register_group(GROUP, dp_group)
     m.forward = functools.partial(_forward, m, m.forward, dist.get_world_size(dp_group))

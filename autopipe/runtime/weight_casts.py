@@ -31,6 +31,8 @@ import torch.nn as nn
 import torch.fx
 import torch.nn.functional as F
 
+from autopipe.shard.modules import RowParallelLinear
+
 __all__ = ["WeightCasts"]
 
 _mm_out_dtype: bool | None = None  # whether torch.mm takes out_dtype here (CUDA, torch >= 2.8)
@@ -94,8 +96,7 @@ def _forward_without_bias(module: nn.Linear, weight_low: torch.Tensor, _: None,
 
 
 def _linear_forwards() -> dict:
-    from autopipe.shard.modules import RowParallelLinear  # its bias is added after the all-reduce
-
+    # RowParallelLinear's bias is added after the all-reduce.
     return {nn.Linear.forward: _forward, RowParallelLinear.forward: _forward_without_bias}
 
 

@@ -10,6 +10,7 @@ import torch.nn as nn
 from autopipe.errors import ConfigError
 from autopipe.partition.device import DeviceProfile, get_profile
 from autopipe.partition.measured import MeasuredCosts
+from autopipe.planning import planning_graph
 
 from .links import LinkModel
 from .predict import Pricing
@@ -32,7 +33,6 @@ def plan_layout(model: nn.Module | str, *, devices: int, batch: int, device: str
     ``min(8, batch)`` images; ``measured`` (profiles by micro-batch size, or one profile) prices
     the nodes where given. ``memory`` is the budget per device in bytes. ``options`` go to
     :func:`search_layouts`."""
-    from autopipe.planning import planning_graph
 
     profile = get_profile(device)
     if isinstance(measured, MeasuredCosts):

@@ -22,16 +22,19 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from autopipe.errors import ConfigError, ShardingError
+from autopipe.errors import ConfigError, ShardingError, positive_int
 from autopipe.partition import balance as balancer
+from autopipe.partition.cost import graph_costs
 from autopipe.partition.measured import MeasuredCosts
 from autopipe.runtime.schedule import max_in_flight_bound
+from autopipe.shard import plan_sharding
 from autopipe.tracer import TracedModel
 
 from . import predict as pricing_module
 from .costs import GraphCosts
 from .layouts import Layout, layouts
 from .predict import Prediction, Pricing, predict, stage_overhead
+from .report import format_search
 
 __all__ = ["SearchResult", "search_layouts", "Rejected"]
 
@@ -70,17 +73,12 @@ class SearchResult:
                 "rejected": [{"layout": r.layout, "reason": r.reason} for r in self.rejected]}
 
     def __str__(self) -> str:
-        from .report import format_search
-
         return format_search(self)
 
 
 def _graphs(traced: TracedModel, reference: int, tps: Sequence[int], measured: Mapping[int, MeasuredCosts] | None,
             rejected: list[Rejected], sequence_parallel: bool) -> dict[tuple[int, bool], GraphCosts]:
     """The costs of every tensor-parallel degree the model's heads and widths allow."""
-    from autopipe.partition.cost import graph_costs
-    from autopipe.shard import plan_sharding
-
     base = graph_costs(traced.gm)
     graphs: dict[tuple[int, bool], GraphCosts] = {}
     for tp in tps:
@@ -144,8 +142,7 @@ def search_layouts(traced: TracedModel, *, devices: int, batch: int, pricing: Pr
     a global ``batch``; see [Note: layout search]. ``memory`` is the budget per device (bytes)."""
     begin = time.perf_counter()
     for name, value in (("devices", devices), ("batch", batch)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        positive_int(name, value)
     reference = traced.input_shapes[0][0] if traced.input_shapes and traced.input_shapes[0] else 1
     rejected: list[Rejected] = []
     candidates: list[Layout] = []

@@ -13,9 +13,9 @@ import torch.nn as nn
 
 from ..graph import value_of
 from . import ops
-from .rules import Claim, ShardRule
+from .rules import Claim, ShardRule, registered_rules
 
-__all__ = ["BUILTINS"]
+__all__ = ["BUILTINS", "ordered_rules"]
 
 
 def _heads(module: nn.Module) -> int | None:
@@ -181,3 +181,10 @@ BUILTINS: list[ShardRule] = [
     ShardRule("conv-pair", find=_find_conv_pair, style="column", builtin=True),
     ShardRule("classifier", find=_find_classifier, style="replicated", builtin=True),
 ]
+
+
+def ordered_rules(per_call: Sequence[ShardRule] = ()) -> list[ShardRule]:
+    """Every rule in priority order: per-call, registered (latest first), built-ins."""
+    chosen = list(per_call) + list(reversed(registered_rules()))
+    names = {r.name for r in chosen}
+    return chosen + [r for r in BUILTINS if r.name not in names]

@@ -12,13 +12,14 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
-from ..errors import ConfigError, ShardingError
+from ..errors import ConfigError, ShardingError, positive_int
 from ..graph import MODULE_KEY
 from ..tracer import TracedModel
 from . import ops
 from .layout import Sharded, propagate
 from .plan import NodeShard, ParamShard, ShardPlan
-from .rules import Claim, ShardRule, ordered_rules
+from .patterns import ordered_rules
+from .rules import Claim, ShardRule
 
 __all__ = ["plan_sharding"]
 
@@ -150,8 +151,7 @@ def plan_sharding(traced: TracedModel, tp: int, rules: Sequence[ShardRule] | Non
     the ranks by sample: see [Note: sequence parallelism] in layout.py.
     Raises :class:`ShardingError` naming every layer or parameter that cannot be split.
     """
-    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-        raise ConfigError(f"tp must be a positive integer, got {tp!r}")
+    positive_int("tp", tp)
     gm = traced.gm
     samples = traced.input_shapes[0][0] if traced.input_shapes and traced.input_shapes[0] else None
     if sequence_parallel and tp > 1 and samples is not None and samples % tp:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass, field
-from typing import Any, Callable, Container, Mapping, Sequence
+from typing import Any, Callable, Container, Mapping
 
 import torch.fx as fx
 
@@ -19,7 +19,7 @@ from . import ops
 from .plan import SplitFn
 
 __all__ = ["STYLES", "Split", "Claim", "ShardRule", "register_rule", "unregister_rule",
-           "registered_rules", "ordered_rules", "column_parallel_head"]
+           "registered_rules", "column_parallel_head"]
 
 # [Note: head-aware qkv slicing]
 # A fused qkv projection (timm's ``attn.qkv``, the packed ``in_proj_weight`` of
@@ -146,12 +146,3 @@ def unregister_rule(name: str) -> None:
 
 def registered_rules() -> list[ShardRule]:
     return list(_USER)
-
-
-def ordered_rules(per_call: Sequence[ShardRule] = ()) -> list[ShardRule]:
-    """Every rule in priority order: per-call, registered (latest first), built-ins."""
-    from .patterns import BUILTINS  # patterns.py builds its rules from this module's classes
-
-    chosen = list(per_call) + list(reversed(_USER))
-    names = {r.name for r in chosen}
-    return chosen + [r for r in BUILTINS if r.name not in names]

@@ -15,7 +15,7 @@ from ..errors import CheckpointError
 from ..failure.monitor import wait_works
 from .plan import ParamShard, ShardPlan, SplitFn
 
-__all__ = ["shard_tensor", "merge_shards", "shard_state_dict", "gather_full_state_dict"]
+__all__ = ["shard_tensor", "merge_shards", "gather_shards", "shard_state_dict", "gather_full_state_dict"]
 
 
 def shard_tensor(t: torch.Tensor, ps: ParamShard, tp_rank: int, tp: int, custom: SplitFn | None = None) -> torch.Tensor:
@@ -72,10 +72,18 @@ def gather_full_state_dict(sharded_gm: nn.Module, shard_plan: ShardPlan, group: 
         if ps is None or not ps.sharded or shard_plan.tp == 1:
             out[name] = local.detach().clone()
             continue
-        if group is None and not dist.is_initialized():
-            raise CheckpointError(f"'{name}' is split over tp={shard_plan.tp} ranks; gathering it needs a process group")
-        parts = [torch.empty_like(local) for _ in range(shard_plan.tp)]
-        work = dist.all_gather(parts, local.detach().contiguous(), group=group, async_op=True)
-        wait_works([work], f"all-gather of '{name}' over the tp ranks", group, local.device)
-        out[name] = merge_shards(parts, ps, shard_plan.custom_splits.get(name))
+        out[name] = gather_shards(local, ps, shard_plan.tp, shard_plan.custom_splits.get(name), group,
+                                  f"all-gather of '{name}' over the tp ranks")
     return out
+
+
+def gather_shards(local: torch.Tensor, ps: ParamShard, tp: int, custom: SplitFn | None, group: Any,
+                  what: str) -> torch.Tensor:
+    """The full tensor from this rank's shard ``local`` and its tp peers' (collective over
+    ``group``; ``what`` names the wait in errors)."""
+    if group is None and not dist.is_initialized():
+        raise CheckpointError(f"{what}: the tensor is split over tp={tp} ranks; gathering it needs a process group")
+    parts = [torch.empty_like(local) for _ in range(tp)]
+    work = dist.all_gather(parts, local.detach().contiguous(), group=group, async_op=True)
+    wait_works([work], what, group, local.device)
+    return merge_shards(parts, ps, custom)

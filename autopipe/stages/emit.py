@@ -20,7 +20,7 @@ from ..errors import PartitionError
 from ..graph import MODULE_KEY, keep_buffer_persistence, resolve_attr, value_of
 from ..partition.plan import PartitionPlan
 from ..tracer import TracedModel
-from .mlp_pieces import split_mlps
+from .mlp_pieces import cut_mlps
 
 __all__ = ["emit_stage", "emit_stages", "run_chain", "share_state"]
 
@@ -111,7 +111,7 @@ def _constant(value: Any, node: fx.Node) -> Any:
 
 def emit_stage(traced: TracedModel, plan: PartitionPlan, index: int) -> fx.GraphModule:
     """The GraphModule of stage ``index``; call it with the stage's inputs in plan order."""
-    src = split_mlps(traced, plan.mlp_pieces).gm
+    src = cut_mlps(traced, plan.mlp_pieces).gm
     by_name = {n.name: n for n in src.graph.nodes}
     stage = plan.stages[index]
     members = set(stage.nodes)
@@ -180,7 +180,7 @@ def emit_stage(traced: TracedModel, plan: PartitionPlan, index: int) -> fx.Graph
 def emit_stages(traced: TracedModel, plan: PartitionPlan, indices: Iterable[int] | None = None) -> dict[int, fx.GraphModule]:
     """Stage modules by index (all stages, or the given ones: a rank builds only its own)."""
     wanted = range(plan.num_stages) if indices is None else indices
-    traced = split_mlps(traced, plan.mlp_pieces)  # once, not once per stage
+    traced = cut_mlps(traced, plan.mlp_pieces)  # once, not once per stage
     return {i: emit_stage(traced, plan, i) for i in wanted}
 
 

@@ -10,7 +10,7 @@ tensor parallelism splits it: with the hidden units cut at ``0 = h_0 < h_1 < ...
     fc2(act(fc1(x))) = sum_i fc2_i(act(fc1_i(x)))
 
 where ``fc1_i`` holds rows [h_i, h_i+1) of fc1's weight and bias and ``fc2_i`` columns
-[h_i, h_i+1) of fc2's weight (``fc2_0`` adds fc2's bias). ``split_mlps`` rewrites a traced graph
+[h_i, h_i+1) of fc2's weight (``fc2_0`` adds fc2's bias). ``cut_mlps`` rewrites a traced graph
 that way: piece i is ``<fc1>_piece{i}`` -> the elementwise chain -> ``<fc2>_piece{i}``, and the
 partial outputs are added. A stage boundary between two pieces carries the MLP's input and the
 partial sum so far; the stages split the parameters between them (nothing is replicated, no
@@ -45,7 +45,7 @@ from ..graph import MODULE_KEY, keep_buffer_persistence, value_of
 from ..shard import ops
 from ..tracer import TracedModel
 
-__all__ = ["Mlp", "PieceParam", "find_mlps", "split_mlps", "fine_hidden", "coarse_pieces", "pieces_for",
+__all__ = ["Mlp", "PieceParam", "find_mlps", "cut_mlps", "fine_hidden", "coarse_pieces", "pieces_for",
            "piece_params", "merge_pieces", "take_piece", "PIECES_META", "PARTIAL_SUM", "PIECE_OF"]
 
 Pieces = Mapping[str, Mapping[str, Any]]  # fc1 -> {"fc2": name, "hidden": boundaries}
@@ -81,6 +81,27 @@ class PieceParam:
         if self.dim is None or full.dim() == 0:
             return full
         return full.narrow(self.dim, self.start, self.stop - self.start)
+
+    @property
+    def stored(self) -> str:
+        """The name checkpoints save this piece under: ``<full>[a:b]`` (rows), ``<full>[:,a:b]``
+        (columns), or the full name for a whole tensor (see [Note: checkpoint layout])."""
+        if self.dim is None:
+            return self.full
+        return f"{self.full}[{':,' if self.dim == 1 else ''}{self.start}:{self.stop}]"
+
+    @classmethod
+    def from_stored(cls, name: str) -> "PieceParam":
+        """The piece a stored name (:attr:`stored`) stands for; a plain name is a whole tensor
+        (dim None). Checkpoints saved from other layouts hold other pieces, so names are read back."""
+        full, bracket, spec = name.rpartition("[")
+        if not bracket or not spec.endswith("]"):
+            return cls(name, None, 0, 0)
+        dim, spec = (1, spec[2:-1]) if spec.startswith(":,") else (0, spec[:-1])
+        start, colon, stop = spec.partition(":")
+        if not (colon and start.isdigit() and stop.isdigit()):
+            return cls(name, None, 0, 0)
+        return cls(full, dim, int(start), int(stop))
 
 
 def piece_module(module: str, i: int) -> str:
@@ -203,7 +224,7 @@ def _with_width(value: torch.Tensor, width: int) -> torch.Tensor:
     return torch.empty((*value.shape[:-1], width), dtype=value.dtype, device="meta")
 
 
-def split_mlps(traced: TracedModel, pieces: Pieces) -> TracedModel:
+def cut_mlps(traced: TracedModel, pieces: Pieces) -> TracedModel:
     """``traced`` with each MLP in ``pieces`` cut at its hidden boundaries; see [Note: MLP pieces].
 
     Returns ``traced`` itself when there is nothing to cut or it is cut this way already; the

@@ -35,7 +35,7 @@ from ..errors import PartitionError
 from ..graph import is_tensor_node, owning_module, value_of
 from ..tracer import TracedModel
 from ..partition.plan import CutTensor, PartitionPlan
-from .mlp_pieces import split_mlps
+from .mlp_pieces import cut_mlps
 
 __all__ = ["follow_plan"]
 
@@ -133,8 +133,8 @@ def follow_plan(traced: TracedModel, plan: PartitionPlan, other: TracedModel) ->
     Stage costs are those of ``plan``; the nodes and the tensors crossing each boundary are
     ``other``'s. Raises :class:`PartitionError` when a module would move to another stage.
     """
-    src = split_mlps(traced, plan.mlp_pieces).gm
-    other = split_mlps(other, plan.mlp_pieces)
+    src = cut_mlps(traced, plan.mlp_pieces).gm
+    other = cut_mlps(other, plan.mlp_pieces)
     dst = other.gm
     stage_of = plan.stage_of()
     stage = _assign(src, stage_of, dst)

@@ -66,7 +66,7 @@ def _with_mlp_pieces(traced: TracedModel, plan: PartitionPlan, args: dict[str, A
         return plan
     # Where the boundaries would go if cutting were free: each piece takes its share of the
     # unsplit nodes' time, the partial sums none. The plan made from real costs follows.
-    fine_traced = pieces.split_mlps(traced, fine)
+    fine_traced = pieces.cut_mlps(traced, fine)
     ideal = {}
     for node in fine_traced.gm.graph.nodes:
         if node.meta.get(pieces.PARTIAL_SUM):
@@ -78,7 +78,7 @@ def _with_mlp_pieces(traced: TracedModel, plan: PartitionPlan, args: dict[str, A
     kept = pieces.coarse_pieces(fine, fine_plan.stage_of(), fine_traced.gm)
     if not kept:
         return plan
-    split_traced = pieces.split_mlps(traced, kept)
+    split_traced = pieces.cut_mlps(traced, kept)
     split_seconds = None
     if node_seconds is not None:  # a piece takes its share of the measured node; the rest as measured
         split_seconds = {}

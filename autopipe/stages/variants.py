@@ -44,7 +44,7 @@ from ..shard import apply_sharding, plan_sharding
 from ..tracer import TracedModel, trace
 from ..tracer.shapes import to_meta
 from .emit import emit_stages
-from .mlp_pieces import split_mlps
+from .mlp_pieces import cut_mlps
 
 __all__ = ["meta_copy", "repropagate", "export_retracer", "planned_size_only", "emit_variant", "boundary_values"]
 
@@ -178,7 +178,7 @@ def export_retracer(template: nn.Module, traced: TracedModel, plan: PartitionPla
         if tp > 1:
             new = apply_sharding(new, plan_sharding(new, tp, rules=shard_rules, sequence_parallel=sequence_parallel),
                                  tp_rank, group="tp")
-        new = split_mlps(new, plan.mlp_pieces)
+        new = cut_mlps(new, plan.mlp_pieces)
         names = _matched(traced.gm.graph, new.gm)
         if names is None:
             raise InputError(

@@ -20,7 +20,9 @@ from torch.utils import _pytree as pytree
 
 from ..errors import TraceError
 from ..graph import MODULE_KEY, keep_buffer_persistence, value_of
+from .export_route import trace_export
 from .fx_route import LeafSpec, trace_fx_modes
+from .manual_route import trace_sequence
 from .shapes import propagate_shapes
 
 __all__ = ["TracedModel", "trace", "ROUTES"]
@@ -239,16 +241,12 @@ def _fx(model: nn.Module, inputs: tuple, leaves: tuple, _seq: Any) -> Graphs:
 
 
 def _export(model: nn.Module, inputs: tuple, leaves: tuple, _seq: Any) -> Graphs:
-    from .export_route import trace_export
-
     gm, spec = trace_export(model, inputs, leaves)
     propagate_shapes(gm, inputs)
     return [(gm, spec)]
 
 
 def _sequence(model: nn.Module, inputs: tuple, _leaves: tuple, seq: Any) -> Graphs:
-    from .manual_route import trace_sequence
-
     if seq is None:
         raise TraceError("route='sequence' needs exec_sequence=[module names or callables, in order]")
     gm = trace_sequence(model, seq, inputs)

@@ -46,14 +46,12 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import re
 import shutil
 import uuid
 import warnings
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException as DCPException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -61,9 +59,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from .checkpoint_files import ChecksummedWriter, VerifyingReader, checksum, verify
 from .checkpoint_ranks import agree, checkpoint_group, from_rank0, world_of
 from ..errors import CheckpointError
-from ..stages.mlp_pieces import PieceParam, piece_params
-from ..failure.monitor import wait_works
-from ..shard.state import merge_shards, shard_tensor
+from ..stages.mlp_pieces import PieceParam
+from .state_map import StateEntry, load_local_state, local_full_state, stage_map
 from .zero import held_parameters, local_optimizer
 
 if TYPE_CHECKING:
@@ -109,54 +106,32 @@ def _param_names(pm: ParallelModel, optimizer: torch.optim.Optimizer) -> dict[in
     return names
 
 
-def _tp_full(pm: ParallelModel, name: str, t: torch.Tensor, local_shape: tuple[int, ...]) -> torch.Tensor:
-    """The full tensor of a parameter-shaped tensor split like parameter ``name`` (collective over tp)."""
-    plan = pm.shard_plan
-    ps = plan.params.get(name) if plan is not None else None
-    if ps is None or not ps.sharded or plan.tp == 1 or tuple(t.shape) != local_shape:
+def _entries(pm: ParallelModel) -> dict[str, StateEntry]:
+    """The state map of this rank's stages; see autopipe/training/state_map.py."""
+    return stage_map(pm.stages, pm.shard_plan, pm.plan.mlp_pieces)
+
+
+def _gathered(entry: StateEntry, t: torch.Tensor, like: tuple[int, ...], group: Any) -> torch.Tensor:
+    """The full tensor of a tensor shaped ``like`` the parameter (collective over tp where it is
+    split); any other (a step count) as it is."""
+    if entry.split is None or tuple(t.shape) != like:
         return t.detach().cpu()
-    parts = [torch.empty_like(t) for _ in range(plan.tp)]
-    group = pm._mesh.tp_group
-    wait_works([dist.all_gather(parts, t.detach().contiguous(), group=group, async_op=True)],
-               f"all-gather of the optimizer state of '{name}' over the tp ranks", group, t.device)
-    return merge_shards(parts, ps, plan.custom_splits.get(name)).cpu()
+    return entry.gather(t, group, f"all-gather of the optimizer state of '{entry.key}' over the tp ranks").cpu()
 
 
-def _tp_local(pm: ParallelModel, name: str, t: torch.Tensor) -> torch.Tensor:
-    """This tp rank's shard of a full parameter-shaped tensor (inverse of :func:`_tp_full`)."""
-    plan = pm.shard_plan
-    ps = plan.params.get(name) if plan is not None else None
-    if ps is None or not ps.sharded or plan.tp == 1 or tuple(t.shape) != tuple(ps.shape):
+def _local(entry: StateEntry, t: torch.Tensor, tp_rank: int) -> torch.Tensor:
+    """This tp rank's part of a full parameter-shaped tensor (inverse of :func:`_gathered`)."""
+    if entry.split is None or tuple(t.shape) != tuple(entry.split.shape):
         return t
-    return shard_tensor(t, ps, pm.tp_rank, plan.tp, plan.custom_splits.get(name)).contiguous().clone()
-
-
-# ----------------------------------------------------------------------------- MLP pieces
-_PIECE = re.compile(r"^(.*)\[(:,)?(\d+):(\d+)\]$")
-
-
-def _stored_name(pm: ParallelModel, name: str) -> str:
-    """The name a tensor is saved under: its own, or ``<full name>[a:b]`` (rows) or
-    ``<full name>[:,a:b]`` (columns) for a piece of an MLP cut across stages."""
-    pp = piece_params(pm.plan.mlp_pieces).get(name)
-    if pp is None or pp.dim is None:
-        return name if pp is None else pp.full
-    return f"{pp.full}[{':,' if pp.dim == 1 else ''}{pp.start}:{pp.stop}]"
-
-
-def _full_name(pm: ParallelModel, name: str) -> tuple[str, PieceParam | None]:
-    """The model's name of a stage tensor, and the piece of it the stage holds (None: all)."""
-    pp = piece_params(pm.plan.mlp_pieces).get(name)
-    return (name, None) if pp is None else (pp.full, pp)
+    return entry.cut(t, tp_rank).contiguous().clone()
 
 
 def _index(stored: Any) -> dict[str, list[tuple[int, int, str]]]:
     """Full name -> [(dim, first index, stored name)] of the stored names (a whole tensor: 0, 0)."""
     out: dict[str, list[tuple[int, int, str]]] = {}
     for name in stored:
-        m = _PIECE.match(name)
-        full, dim, start = (m.group(1), 1 if m.group(2) else 0, int(m.group(3))) if m else (name, 0, 0)
-        out.setdefault(full, []).append((dim, start, name))
+        piece = PieceParam.from_stored(name)
+        out.setdefault(piece.full, []).append((piece.dim or 0, piece.start, name))
     return {k: sorted(v) for k, v in out.items()}
 
 
@@ -185,19 +160,20 @@ def _optimizer_state(pm: ParallelModel, optimizer: torch.optim.Optimizer,
     tensors: dict[str, torch.Tensor] = {}
     info: dict[str, dict] = {}
     held, states = held_parameters(optimizer), local_optimizer(optimizer).state
+    mapped = _entries(pm)
     entries = [(names[id(p)], p, g) for g in optimizer.param_groups for p in g["params"]
                if held is None or id(p) in held]
     for name, p, group in sorted(entries, key=lambda e: e[0]):  # same order on every tp rank
         state = states.get(p, {})
         keys = sorted(k for k, v in state.items() if isinstance(v, torch.Tensor))
-        stored = _stored_name(pm, name)
+        stored = mapped[name].stored
         info[stored] = {
             "group": {k: v for k, v in group.items() if k != "params"},
             "values": {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)},
             "tensors": keys,
         }
         for k in keys:
-            tensors[f"optim.{stored}.{k}"] = _tp_full(pm, name, state[k], tuple(p.shape))
+            tensors[f"optim.{stored}.{k}"] = _gathered(mapped[name], state[k], tuple(p.shape), pm.mesh.tp_group)
     return tensors, info
 
 
@@ -288,7 +264,9 @@ def save_checkpoint(pm: ParallelModel, path: str | os.PathLike, optimizer: torch
         os.makedirs(target, exist_ok=True)
         model, optim = {}, {}
         if pm.dp_rank == 0:
-            model = {f"model.{_stored_name(pm, k)}": v for k, v in pm._local_full_state().items()}
+            entries = _entries(pm)
+            model = {f"model.{entries[k].stored}": v
+                     for k, v in local_full_state(pm.stages, pm.shard_plan, pm.mesh.tp_group).items()}
         if optimizer is not None and (pm.dp_rank == 0 or held_parameters(optimizer) is not None):
             optim, info = _optimizer_state(pm, optimizer, names)
         if pm.tp_rank == 0:
@@ -323,13 +301,12 @@ def save_checkpoint(pm: ParallelModel, path: str | os.PathLike, optimizer: torch
         merged: dict[str, dict] = {}
         for part in infos:
             merged.update(part)
-        scaler = pm._scaler
         manifest = {
             "format": FORMAT,
-            "model": type(pm._model).__name__,
-            "layout": {"pp": pm.plan.pp, "tp": pm._mesh.dims.tp, "dp": pm.dp_size, "chunks": pm.plan.chunks},
+            "model": pm.model_name,
+            "layout": {"pp": pm.plan.pp, "tp": pm.mesh.dims.tp, "dp": pm.dp_size, "chunks": pm.plan.chunks},
             "optimizer": merged if optimizer is not None else None,
-            "loss_scaler": None if scaler is None else {"scale": scaler.scale, "good_steps": scaler._good_steps},
+            "loss_scaler": pm.training_state.scaler_state(),
             "extra": extra_bytes is not None,
             "checksums": checksums,  # see [Note: checkpoint checksums]
         }
@@ -402,10 +379,11 @@ def _targets(pm: ParallelModel, optimizer: torch.optim.Optimizer | None,
     out: dict[str, torch.Tensor] = {}
     missing, wrong = [], []
     model = _index(k[len("model."):] for k in tensors if k.startswith("model."))
+    full_shapes, entries = pm.full_shapes, _entries(pm)
     for s in sorted(pm.stages):
         for k in pm.stages[s].state_dict():
-            k, _ = _full_name(pm, k)
-            want = pm._signature[k]
+            k = entries[k].full
+            want = full_shapes[k]
             parts = model.get(k, [])
             got = _stored_shape([(d, tensors[f"model.{name}"][0]) for d, _, name in parts])
             if got is None:
@@ -435,7 +413,7 @@ def _targets(pm: ParallelModel, optimizer: torch.optim.Optimizer | None,
     held = held_parameters(optimizer)
     for g in optimizer.param_groups:
         for p in g["params"]:
-            name, _ = _full_name(pm, names[id(p)])
+            name = entries[names[id(p)]].full
             if held is not None and id(p) not in held:
                 continue  # another dp rank's under ZeRO
             if name not in stored:
@@ -450,7 +428,7 @@ def _targets(pm: ParallelModel, optimizer: torch.optim.Optimizer | None,
 
 def _apply_optimizer(pm: ParallelModel, optimizer: torch.optim.Optimizer, states: dict[str, dict],
                      loaded: dict[str, torch.Tensor]) -> None:
-    names = _param_names(pm, optimizer)
+    names, entries = _param_names(pm, optimizer), _entries(pm)
     stored = _index(states)
     mine = held_parameters(optimizer)  # under ZeRO the state dict holds this rank's states only
     sd: dict[str, Any] = {"state": {}, "param_groups": []}
@@ -459,14 +437,14 @@ def _apply_optimizer(pm: ParallelModel, optimizer: torch.optim.Optimizer, states
         ids, hyper = [], None
         for p in g["params"]:
             name = names[id(p)]
-            full, held = _full_name(pm, name)
-            parts = stored[full]
-            entry = states[parts[0][2]]
-            hyper = hyper if hyper is not None else entry["group"]
-            st = dict(entry["values"])
-            for k in entry["tensors"] if mine is None or id(p) in mine else ():
+            entry = entries[name]
+            held, parts = entry.piece, stored[entry.full]
+            saved = states[parts[0][2]]
+            hyper = hyper if hyper is not None else saved["group"]
+            st = dict(saved["values"])
+            for k in saved["tensors"] if mine is None or id(p) in mine else ():
                 t = _assemble([loaded[f"optim.{part}.{k}"] for _, _, part in parts], parts[0][0])
-                st[k] = _tp_local(pm, name, t if held is None else held.of(t).clone())
+                st[k] = _local(entry, t if held is None else held.of(t).clone(), pm.tp_rank)
             if st and (mine is None or id(p) in mine):
                 sd["state"][index] = st
             ids.append(index)
@@ -500,14 +478,11 @@ def load_checkpoint(pm: ParallelModel, path: str | os.PathLike, optimizer: torch
     error = None
     try:
         model = _index(k[len("model."):] for k in state if k.startswith("model."))
-        pm._load_local_state({full: _assemble([state[f"model.{name}"] for _, _, name in parts], parts[0][0])
-                              for full, parts in model.items()})
+        load_local_state(pm.stages, {full: _assemble([state[f"model.{name}"] for _, _, name in parts], parts[0][0])
+                                     for full, parts in model.items()}, pm.shard_plan, pm.tp_rank, pm.plan.mlp_pieces)
         if optimizer is not None:
             _apply_optimizer(pm, optimizer, found["manifest"]["optimizer"], state)
-        scaler = found["manifest"]["loss_scaler"]
-        if pm._scaler is not None and scaler is not None:
-            pm._scaler.scale, pm._scaler._good_steps = scaler["scale"], scaler["good_steps"]
-            pm._runtime.loss_scale = pm._scaler.scale
+        pm.training_state.load_scaler_state(found["manifest"]["loss_scaler"])
     except Exception as exc:  # noqa: BLE001 - agreed on below
         error = f"applying {found['dir']!r} failed: {_describe(exc)}"
     agree(group, error)

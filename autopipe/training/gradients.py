@@ -113,7 +113,7 @@ class LossScaler:
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     growth_interval: int = 2000
-    _good_steps: int = 0
+    good_steps: int = 0  # updates since the last back-off or growth
 
     def found_inf(self, params: Iterable[torch.nn.Parameter], group: dist.ProcessGroup | None,
                   device: torch.device) -> bool:
@@ -132,8 +132,8 @@ class LossScaler:
     def update(self, skipped: bool) -> None:
         if skipped:
             self.scale = max(self.scale * self.backoff_factor, 1.0)
-            self._good_steps = 0
+            self.good_steps = 0
             return
-        self._good_steps += 1
-        if self._good_steps % self.growth_interval == 0 and math.isfinite(self.scale * self.growth_factor):
+        self.good_steps += 1
+        if self.good_steps % self.growth_interval == 0 and math.isfinite(self.scale * self.growth_factor):
             self.scale *= self.growth_factor

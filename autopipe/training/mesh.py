@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..errors import ConfigError
+from ..errors import ConfigError, positive_int
 from ..runtime.p2p import link_groups
 
 __all__ = ["ParallelDims", "Mesh", "build_mesh"]
@@ -26,9 +26,7 @@ class ParallelDims:
 
     def __post_init__(self) -> None:
         for name in ("pp", "tp", "world_size"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+            positive_int(name, getattr(self, name))
         if self.world_size % (self.pp * self.tp):
             valid = [self.pp * self.tp * k for k in range(1, 5)]
             raise ConfigError(

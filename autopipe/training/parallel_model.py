@@ -12,140 +12,27 @@ import math
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import CheckpointError, InputError
-from .mesh import Mesh
-from ..stages.mlp_pieces import merge_pieces, take_piece
-from ..partition.plan import PartitionPlan
-from ..runtime.batchnorm import BatchNormStats
-from ..runtime.driver import PipelineDriver, StageSet
 from ..failure.monitor import FailureMonitor, synced, wait_works
 from ..failure.objects import all_gather_objects
-from ..runtime.p2p import TensorSpec
-from ..runtime.preparation import prepare_stage
+from ..partition.plan import PartitionPlan
 from ..runtime.timeline import Timeline
-from ..runtime.weight_casts import WeightCasts
-from ..tracer import TracedModel
-from .gradients import (LossScaler, average_gradients, clip_gradients, global_grad_norm,
-                        reduce_sequence_parallel_grads)
+from ..stages.mlp_pieces import merge_pieces
+from .checkpoint import load_checkpoint, save_checkpoint
+from .gradients import average_gradients, clip_gradients, global_grad_norm, reduce_sequence_parallel_grads
+from .mesh import Mesh
+from .stage_runtime import StageRuntime
+from .state_map import load_local_state, local_full_state
+from .training_state import TrainingState
+from .zero import zero_optimizer
 
-__all__ = ["ModeStages", "ParallelModel", "StageRuntime", "StepResult"]
-
-
-def _dtype(name: str) -> torch.dtype:
-    return getattr(torch, name)
-
-
-@dataclass
-class ModeStages:
-    """This rank's stages of the model's eval-mode graph, where its forward branches on
-    ``self.training``; they share the train stages' state (see [Note: one graph per mode] in
-    autopipe/stages/mode_plan.py)."""
-
-    plan: PartitionPlan
-    traced: TracedModel
-    stages: dict[int, nn.Module]
-
-
-@dataclass
-class StageRuntime:
-    """This rank's stages with the plan and mesh they came from, and the driver running them."""
-
-    plan: PartitionPlan
-    traced: TracedModel
-    stages: dict[int, nn.Module]
-    mesh: Mesh
-    schedule: str
-    loss_fn: Callable[[Any, Any], torch.Tensor]
-    compute_dtype: torch.dtype | None = None
-    activation_checkpointing: bool = False
-    deadline: float = 300.0
-    record_timeline: bool = False
-    cuda_graphs: bool = False
-    compile_stages: bool = False
-    batchnorm: BatchNormStats | None = None  # deferred running statistics (runtime/batchnorm.py)
-    # Another micro-batch size's graph, for routes that bake the size in (see [Note: stage variants]).
-    retrace: Callable[[int], tuple[TracedModel, PartitionPlan]] | None = None
-    batch_split: str = "equal"  # see [Note: batch splits] in runtime/microbatch.py
-    monitor: FailureMonitor | None = None  # shared by the whole mesh; see [Note: failure propagation]
-    eval_stages: ModeStages | None = None
-    training: bool = True  # which mode's stages run first
-
-    def _spec(self, shape: Any, dtype: torch.dtype) -> TensorSpec:
-        if self.compute_dtype is not None and dtype.is_floating_point:
-            dtype = self.compute_dtype
-        return TensorSpec(tuple(shape), dtype)
-
-    def _wrap(self, i: int, stage: nn.Module) -> None:
-        prepare_stage(stage, device_type=self.mesh.device.type, compute_dtype=self.compute_dtype,
-                      compile=self.compile_stages, recompute=self.activation_checkpointing,
-                      cast_outputs=i != self.plan.num_stages - 1, norms=self.batchnorm)
-
-    def _variants(self, traced: TracedModel, plan: PartitionPlan, stages: dict[int, nn.Module],
-                  retrace: Callable[[int], tuple[TracedModel, PartitionPlan]] | None) -> Callable[[int], Any]:
-        """This rank's stages and boundary specs of one mode's graph at another micro-batch size;
-        see [Note: stage variants] in stages/variants.py."""
-
-        def build(size: int) -> tuple[dict[int, nn.Module], list[list[TensorSpec]]]:
-            from ..stages.variants import boundary_values, emit_variant, repropagate
-
-            sized, sized_plan = retrace(size) if retrace is not None else (repropagate(traced, size), plan)
-            built = emit_variant(sized, sized_plan, stages)
-            for i, stage in built.items():
-                if stage is not stages[i]:
-                    self._wrap(i, stage)
-            return built, [[self._spec(v.shape, v.dtype) for v in b] for b in boundary_values(sized, sized_plan)]
-
-        return build
-
-    def __post_init__(self) -> None:
-        plan, last = self.plan, self.plan.num_stages - 1
-
-        def boundary(p: PartitionPlan) -> list[list[TensorSpec]]:
-            return [[self._spec(c.shape, _dtype(c.dtype)) for c in p.stages[k].outputs] for k in range(last)]
-
-        modes = [self.stages] + ([self.eval_stages.stages] if self.eval_stages is not None else [])
-        # Linear layers read copies cast once per step; see [Note: weight casts].
-        self.weight_casts = WeightCasts.install([st for m in modes for st in m.values()], self.compute_dtype) \
-            if self.compute_dtype is not None else None
-        for i, stage in ((i, st) for m in modes for i, st in m.items()):
-            self._wrap(i, stage)
-        self.timeline = Timeline(self.mesh.rank, cuda_events=self.mesh.device.type == "cuda") \
-            if self.record_timeline else None
-        self.loss_scale: float = 1.0  # the fp16 dynamic loss scale
-        self.grad_scale: float = 1.0  # the current train_step's grad_scale
-        input_specs = [TensorSpec(s, d) for s, d in zip(self.traced.input_shapes, self.traced.input_dtypes)]
-        mode = self.eval_stages
-        eval_set = None if mode is None else StageSet(
-            mode.stages, boundary(mode.plan), mode.traced.unflatten_output,
-            self._variants(mode.traced, mode.plan, mode.stages, None))
-        self.driver = PipelineDriver(
-            self.stages, boundary(plan), pp=plan.pp, chunks=plan.chunks, pp_rank=self.mesh.pp_rank,
-            pp_group=self.mesh.pp_group, schedule=self.schedule, microbatches=plan.microbatches,
-            loss_fn=self._scaled_loss, postprocess=self.traced.unflatten_output, device=self.mesh.device,
-            timeline=self.timeline, input_specs=input_specs, deadline=self.deadline, cuda_graphs=self.cuda_graphs,
-            warm_up_stages=self.compile_stages, links=self.mesh.links,
-            variants=self._variants(self.traced, plan, self.stages, self.retrace), split=self.batch_split,
-            monitor=self.monitor, eval_set=eval_set, training=self.training,
-        )
-
-    def _scaled_loss(self, output: Any, target: Any) -> torch.Tensor:
-        if self.compute_dtype is None:
-            loss = self.loss_fn(output, target)
-        else:
-            # As in the autocast recipe, the loss runs under autocast (which computes losses in
-            # fp32) and is scaled in fp32: an fp16 loss times a 2**16 loss scale overflows.
-            with torch.autocast(self.mesh.device.type, dtype=self.compute_dtype):
-                loss = self.loss_fn(output, target)
-            if isinstance(loss, torch.Tensor) and loss.is_floating_point():
-                loss = loss.float()
-        scale = self.loss_scale * self.grad_scale
-        return loss * scale if scale != 1.0 and isinstance(loss, torch.Tensor) else loss
+__all__ = ["ParallelModel", "StepResult"]
 
 
 @dataclass
@@ -162,21 +49,17 @@ class StepResult:
 class ParallelModel:
     """A model split over a (pp, dp, tp) mesh. See ``autopipe.parallelize``."""
 
-    def __init__(self, model: nn.Module, runtime: StageRuntime, *, shard_plan: Any = None, fp16: bool = False):
+    def __init__(self, model: nn.Module, runtime: StageRuntime, *, shard_plan: Any = None):
         self.search: Any = None  # the layout search, when parallelize(pp="auto") chose the layout
         self._model = model
         self._runtime = runtime
         self._shard_plan = shard_plan
-        self._scaler = LossScaler() if fp16 else None
-        if self._scaler is not None:
-            runtime.loss_scale = self._scaler.scale
         mesh = runtime.mesh
         self._mesh = mesh
         # What the user's model looked like when it was parallelized: full_state_dict checks it.
         self._signature = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         self._sync = True  # False inside no_sync()
         self._unsynced = False  # .grad holds this replica's sum of calls under no_sync()
-        self._skipped_steps = 0  # updates skipped for a non-finite gradient norm
         with self._monitor.guard():
             self._sync_replicas()
 
@@ -188,6 +71,26 @@ class ParallelModel:
     @property
     def shard_plan(self) -> Any:
         return self._shard_plan
+
+    @property
+    def mesh(self) -> Mesh:
+        """The (pp, dp, tp) process groups and this rank's place in them."""
+        return self._mesh
+
+    @property
+    def training_state(self) -> TrainingState:
+        """The loss scale and the updates skipped; checkpoints save and restore it."""
+        return self._runtime.state
+
+    @property
+    def model_name(self) -> str:
+        """The class name of the model that was parallelized."""
+        return type(self._model).__name__
+
+    @property
+    def full_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The model's state_dict keys and full shapes, as they were when it was parallelized."""
+        return dict(self._signature)
 
     @property
     def dp_rank(self) -> int:
@@ -293,7 +196,7 @@ class ParallelModel:
             if self._sync:
                 self._average_gradients()
         loss = result[0] if return_outputs else result
-        scale = (self._scaler.scale if self._scaler is not None else 1.0) * grad_scale
+        scale = self.training_state.loss_scale * grad_scale
         if scale != 1.0:
             loss = loss / scale
         return (loss, result[1]) if return_outputs else loss
@@ -381,8 +284,9 @@ class ParallelModel:
         with self._monitor.guard():
             self._average_gradients()
             skipped, norm = False, None
-            if self._scaler is not None:
-                skipped = self._scaler.found_inf(self.parameters(), None, self.device)
+            scaler = self.training_state.scaler
+            if scaler is not None:
+                skipped = scaler.found_inf(self.parameters(), None, self.device)
             elif max_norm is not None or skip_nonfinite:
                 total = self._grad_norm()
                 norm = float(total)
@@ -395,16 +299,14 @@ class ParallelModel:
                 if max_norm is not None and norm is None:
                     norm = self.clip_grad_norm_(max_norm)
                 optimizer.step()
-        if self._scaler is not None:
-            self._scaler.update(skipped)
-            self._runtime.loss_scale = self._scaler.scale
-        return StepResult(norm, skipped, self._scaler.scale if self._scaler else 1.0)
+        self.training_state.after_step(skipped)
+        return StepResult(norm, skipped, self.training_state.loss_scale)
 
     def _report_skip(self, norm: float) -> None:
-        self._skipped_steps += 1
+        skipped = self.training_state.record_skip()
         if self._mesh.rank == 0:
             warnings.warn(f"ParallelModel.step skipped the update: the global gradient norm is {norm} "
-                          f"({self._skipped_steps} step(s) skipped so far); the gradients were left for "
+                          f"({skipped} step(s) skipped so far); the gradients were left for "
                           "zero_grad(). Look for inf/NaN in the inputs or the loss, or lower the learning rate "
                           "(step(..., skip_nonfinite=False) applies such updates)", RuntimeWarning, stacklevel=3)
 
@@ -418,20 +320,6 @@ class ParallelModel:
         works = [dist.broadcast(t, src=src, group=group, async_op=True)
                  for s in sorted(self._runtime.stages) for t in self._runtime.stages[s].state_dict().values()]
         wait_works(works, "broadcast of the parameters from dp replica 0", group, self.device)
-
-    def _local_full_state(self) -> dict[str, torch.Tensor]:
-        """This pp rank's share of the full state_dict (tp shards merged), on CPU."""
-        out: dict[str, torch.Tensor] = {}
-        for s in sorted(self._runtime.stages):
-            stage = self._runtime.stages[s]
-            if self._shard_plan is not None:
-                from ..shard import gather_full_state_dict
-
-                sd = gather_full_state_dict(stage, self._shard_plan, self._mesh.tp_group)
-            else:
-                sd = stage.state_dict()
-            out.update({k: v.detach().cpu().clone() for k, v in sd.items()})
-        return out
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unmodified model's state_dict (its keys, full shapes) on every rank, on CPU.
@@ -452,7 +340,7 @@ class ParallelModel:
                 f"the model was changed after parallelize() ({', '.join(changed[:5])}...); its stages "
                 "no longer match it. Call parallelize() again on the changed model"
             )
-        local = self._local_full_state()
+        local = local_full_state(self.stages, self._shard_plan, self._mesh.tp_group)
         group = self._mesh.pp_group
         if group is not None and dist.get_world_size(group) > 1:
             parts = all_gather_objects(local, group, self.device, "all-gather of the state over the pipeline ranks")
@@ -472,7 +360,7 @@ class ParallelModel:
             raise CheckpointError(
                 f"state_dict does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
             )
-        self._load_local_state(state_dict)
+        load_local_state(self.stages, state_dict, self._shard_plan, self.tp_rank, self.plan.mlp_pieces)
 
     def zero_optimizer(self, optimizer_class: type[torch.optim.Optimizer], params: Any = None,
                        **defaults: Any) -> torch.optim.Optimizer:
@@ -480,8 +368,6 @@ class ParallelModel:
         replicas (torch's ZeroRedundancyOptimizer over this rank's dp group; the plain
         optimizer when dp = 1). ``pm.step``, clipping, fp16 loss scaling, LR schedulers and
         checkpoints take it as any optimizer. See [Note: zero redundancy] in zero.py."""
-        from .zero import zero_optimizer
-
         return zero_optimizer(self, optimizer_class, params, **defaults)
 
     def save_checkpoint(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
@@ -495,8 +381,6 @@ class ParallelModel:
         full shapes, so it loads into any pp/tp/dp layout. Returns the directory written.
         See [Note: checkpoint layout] in checkpoint.py.
         """
-        from .checkpoint import save_checkpoint
-
         self._monitor.arrive("save_checkpoint()")
         with self._monitor.guard(record=False):  # see [Note: no rank left waiting] in checkpoint.py
             return save_checkpoint(self, path, optimizer, extra=extra)
@@ -507,20 +391,6 @@ class ParallelModel:
         ``optimizer`` gets its state and hyperparameters back (build it over :meth:`parameters`
         first). Raises CheckpointError naming the path and the mismatch if none fits.
         """
-        from .checkpoint import load_checkpoint
-
         self._monitor.arrive("load_checkpoint()")
         with self._monitor.guard(record=False):
             return load_checkpoint(self, path, optimizer)
-
-    def _load_local_state(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Load this rank's stages from full (unsharded) tensors keyed by the model's names."""
-        for s in sorted(self._runtime.stages):
-            stage = self._runtime.stages[s]
-            keys = stage.state_dict().keys()
-            sub = {k: take_piece(state_dict, k, self.plan.mlp_pieces) for k in keys}
-            if self._shard_plan is not None:
-                from ..shard import shard_state_dict
-
-                sub = shard_state_dict(sub, self._shard_plan, self.tp_rank)
-            stage.load_state_dict(sub, strict=True)

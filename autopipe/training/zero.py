@@ -50,7 +50,7 @@ def zero_optimizer(pm: Any, optimizer_class: type[torch.optim.Optimizer], params
     if foreign:
         raise ConfigError(f"{foreign} of the parameters given are not this rank's stage parameters; pass "
                           "pm.parameters() (or groups of them), not the original model's")
-    group = pm._mesh.dp_group
+    group = pm.mesh.dp_group
     if pm.dp_size == 1 or group is None:
         return optimizer_class(params, **defaults)
     return ZeroRedundancyOptimizer(params, optimizer_class, process_group=group, **defaults)
