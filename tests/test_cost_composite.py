@@ -16,7 +16,7 @@ import torch.nn as nn
 import torchvision
 
 from autopipe.graph import owning_module
-from autopipe.partition import cost as cost_module
+from autopipe.partition import cost as cost_module, rule_tables
 from autopipe.partition.cost import MATMUL_KINDS, NodeCost, graph_costs
 from autopipe.partition.device import get_profile
 from autopipe.stages import plan_stages
@@ -131,7 +131,7 @@ def test_untraceable_block_falls_back_to_the_elementwise_guess():
     (node,) = [n for n in gm.graph.nodes if n.op == "call_module"]
     for n in gm.graph.nodes:
         n.meta["val"] = torch.empty(3, 4, device="meta")
-    cost_module._warned_modules.discard(_Gated)
+    rule_tables._warned_modules.discard(_Gated)
     with pytest.warns(UserWarning, match="MODULE_RULES"):
         c = graph_costs(gm)[node.name]
     assert (c.kind, c.fwd_flops, c.param_count, c.parts) == ("elementwise", 12, 20, ())

@@ -72,7 +72,7 @@ def class_of(cost: NodeCost, *, backward: bool = False) -> str:
         if cost.family in ("gemm", "conv") and cost.min_dim > 0:
             return f"{cost.family}/{_bucket(cost.min_dim, DIM_BOUNDS)}"
         return cost.kind  # attention, or a GEMM whose shape the rule could not tell
-    if cost.family == "batch" and cost.min_dim > 0:  # by channels: see cost._norm
+    if cost.family == "batch" and cost.min_dim > 0:  # by channels: see op_rules.norm
         return f"norm:batch/{_bucket(cost.min_dim, DIM_BOUNDS)}ch"
     kind = f"{cost.kind}:{cost.family}" if cost.family else cost.kind
     return f"{kind}/{_bucket(nbytes, BYTE_BOUNDS, _bytes_label)}"

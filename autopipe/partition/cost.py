@@ -5,26 +5,25 @@ Every node of a graph that follows [Note: the autopipe graph] is priced from the
 """
 from __future__ import annotations
 
-import builtins
 import inspect
 import itertools
-import math
-import operator
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
 from autopipe.errors import ConfigError
 from autopipe.graph import tensor_bytes, tensor_values, value_bytes, value_of
 from autopipe.tracer.fx_route import in_mode, trace_fx
 from autopipe.tracer.shapes import to_meta
+
+from .op_rules import DEFAULT, Op, Work
+from .rule_tables import FUNCTION_NAMES, MODULE_RULES, NAMED_RULES, module_rule, rule_for
 
 __all__ = [
     "NodeCost",
@@ -69,7 +68,6 @@ __all__ = [
 MATMUL_KINDS = frozenset({"matmul", "attention"})  # run on matmul units (tensor cores)
 FREE_KINDS = frozenset({"view", "none"})  # launch no work: 0 FLOPs, 0 bytes, no overhead
 _BWD_RATIO = {"matmul": 2.0, "attention": 2.0, "norm": 2.0}
-_STAT_BYTES = 4  # norm statistics are fp32 whatever the activation dtype
 
 
 @dataclass(frozen=True)
@@ -101,409 +99,6 @@ class NodeCost:
     min_dim: int = 0
 
 
-@dataclass
-class _Op:
-    """What a rule sees: the node, its leaf module, its tensor operands and its output."""
-
-    node: fx.Node
-    name: str  # the rule-table key that matched ("linear", "conv", ...)
-    module: nn.Module | None
-    activations: list[torch.Tensor]  # distinct tensors produced by computing nodes
-    weights: list[torch.Tensor]  # parameters/buffers: the module's own, or get_attr operands
-    out: Any
-
-    def arg(self, i: int, *names: str, default: Any = None) -> Any:
-        """Value of positional argument ``i`` or of the first keyword in ``names``."""
-        if i < len(self.node.args):
-            a = self.node.args[i]
-        else:
-            a = next((self.node.kwargs[n] for n in names if n in self.node.kwargs), default)
-        return value_of(a) if isinstance(a, fx.Node) else a
-
-    @property
-    def out_tensor(self) -> torch.Tensor:
-        # ATen variants (native_layer_norm, flash attention...) return tuples; the first
-        # tensor is the result, the rest are statistics.
-        return next(tensor_values(self.out))
-
-    def floating_bytes(self) -> int:
-        """Bytes of the floating-point activations: what a rule saves for backward."""
-        return sum(tensor_bytes(t) for t in self.activations if t.is_floating_point())
-
-
-@dataclass
-class _Work:
-    """A rule's answer; ``_assemble`` turns it into a NodeCost by the shared conventions."""
-
-    kind: str
-    flops: float = 0.0
-    bwd_flops: float | None = None  # None: flops * _BWD_RATIO[kind] (1 if absent)
-    saved: int = 0
-    reads: float | None = None  # None: every activation and weight is read once
-    family: str = ""
-    min_dim: int = 0
-
-
-Rule = Callable[[_Op], _Work]
-
-
-def _view(op: _Op) -> _Work:
-    return _Work("view")
-
-
-def _copy(op: _Op) -> _Work:
-    return _Work("copy")
-
-
-def _maybe_copy(op: _Op) -> _Work:
-    # .contiguous() and .to() return their input when it already fits; meta and fake
-    # tensors keep strides, so the propagated values tell (LayerNorm2d's output, for one,
-    # is channels-last, and permuting it back gives a contiguous tensor).
-    x, y = (op.activations[0] if op.activations else None), op.out_tensor
-    same = x is not None and (x.shape, x.stride(), x.dtype, x.device) == (y.shape, y.stride(), y.dtype, y.device)
-    return _Work("view" if same else "copy")
-
-
-def _getitem(op: _Op) -> _Work:
-    # Slicing is a view; indexing with a tensor gathers into a new tensor.
-    index = op.arg(1, "idx")
-    return _Work("copy" if any(True for _ in tensor_values(index)) else "view")
-
-
-def _tensor_operands(node: fx.Node) -> int:
-    # Counted with repeats: x * x saves x, x * gamma saves x (gamma is alive anyway).
-    return sum(1 for a in pytree.tree_leaves((node.args, node.kwargs))
-               if isinstance(a, fx.Node) and isinstance(value_of(a), torch.Tensor))
-
-
-def _elementwise(flops_per_element: float = 1.0, saves: str = "inputs") -> Rule:
-    """saves: "inputs" (floating inputs), "output", "operands" (both, if two tensors), "none"."""
-
-    def rule(op: _Op) -> _Work:
-        out = op.out_tensor
-        saved = {
-            "inputs": lambda: op.floating_bytes(),
-            "output": lambda: tensor_bytes(out),
-            "operands": lambda: op.floating_bytes() if _tensor_operands(op.node) >= 2 else 0,
-            "none": lambda: 0,
-        }[saves]()
-        return _Work("elementwise", flops_per_element * out.numel(), saved=saved)
-
-    return rule
-
-
-def _reduction(saves_input: bool) -> Rule:
-    def rule(op: _Op) -> _Work:
-        x = op.arg(0, "input", "self")
-        return _Work("reduction", x.numel(), saved=op.floating_bytes() if saves_input else 0)
-
-    return rule
-
-
-def _contract(op: _Op, k: int, *, batched: bool = False) -> _Work:
-    out = op.out_tensor
-    n = out.shape[-1] if out.dim() else 1
-    # A batched product's rows (tokens) bound its efficiency; a linear layer's rows are every
-    # leading dim, batch included, and do not (they are many): its weight's shape does.
-    dims = (out.shape[-2] if out.dim() > 1 else 1, n, k) if batched else (n, k)
-    return _Work("matmul", 2.0 * out.numel() * k, saved=op.floating_bytes(), family="gemm",
-                 min_dim=int(min(dims)))
-
-
-def _matmul(first: int, *names: str, batched: bool = False) -> Rule:
-    # The output numel covers batch broadcasting and 1-D operands; k is the contracted size.
-    return lambda op: _contract(op, op.arg(first, *names).shape[-1], batched=batched)
-
-
-def _linear_module(op: _Op) -> _Work:
-    return _contract(op, op.module.weight.shape[1])  # not in_features: a tp shard's is the original's
-
-
-def _conv_flops(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, transposed: bool) -> float:
-    # As torch.utils.flop_counter: every weight element meets every output (input, when
-    # transposed) position once; weight is [C_out, C_in/groups, *k] ([C_in, C_out/groups, *k]).
-    spatial = w.dim() - 2
-    batch = math.prod(x.shape[: x.dim() - spatial - 1])  # 1 for an unbatched input
-    positions = math.prod((x if transposed else out).shape[x.dim() - spatial :])
-    return 2.0 * batch * math.prod(w.shape) * positions
-
-
-def _conv(op: _Op) -> _Work:
-    x = op.arg(0, "input")
-    if op.module is not None:
-        w, transposed = op.module.weight, bool(op.module.transposed)
-    else:
-        w = op.arg(1, "weight")
-        transposed = op.name.startswith("conv_transpose") or (
-            op.name in ("convolution", "_convolution") and bool(op.arg(6, "transposed")))
-    # The implicit GEMM's N (output channels per group) and K (input channels per group x kernel).
-    groups = max(_groups(op), 1)
-    per_group = w.shape[1] if transposed else w.shape[0] // groups
-    # A depthwise conv (one input channel per group) runs on vector units, memory-bound.
-    depthwise = groups > 1 and (w.shape[0] if transposed else w.shape[1]) == 1
-    return _Work("matmul", _conv_flops(x, w, op.out_tensor, transposed), saved=op.floating_bytes(),
-                 family="dwconv" if depthwise else "conv", min_dim=int(min(per_group, w.shape[1])))
-
-
-def _groups(op: _Op) -> int:
-    if op.module is not None:
-        return int(op.module.groups)
-    index = {"convolution": 8, "_convolution": 8}.get(op.name, 6)
-    return int(op.arg(index, "groups", default=1) or 1)
-
-
-def _einsum_sizes(equation: str, operands: list[torch.Tensor]) -> dict[Any, int]:
-    sizes: dict[Any, int] = {}
-    terms = equation.replace(" ", "").split("->")[0].split(",")
-    for term, t in zip(terms, operands):
-        before, _, after = term.partition("...")
-        n_ellipsis = t.dim() - len(before) - len(after)
-        # Ellipsis dims are keyed from the right so that broadcast dims line up.
-        keys = [*before, *(("...", n_ellipsis - i) for i in range(n_ellipsis)), *after]
-        for key, size in zip(keys, t.shape):
-            sizes[key] = max(sizes.get(key, 1), int(size))
-    return sizes
-
-
-def _einsum(op: _Op) -> _Work:
-    equation = op.node.args[0]
-    operands = [value_of(a) for a in pytree.tree_leaves(op.node.args[1:]) if isinstance(a, fx.Node)]
-    if len(operands) != 2:
-        return _DEFAULT(op)
-    # Two operands: one multiply-add per combination of all indices (kept and contracted).
-    macs = math.prod(_einsum_sizes(equation, operands).values())
-    return _Work("matmul", 2.0 * macs, saved=op.floating_bytes(), family="gemm")
-
-
-def _sdpa(op: _Op) -> _Work:
-    q, k, v = op.arg(0, "query"), op.arg(1, "key"), op.arg(2, "value")
-    out = op.out_tensor
-    bh = math.prod(out.shape[:-2])  # batch x query heads (GQA keys broadcast to them)
-    scores = bh * q.shape[-2] * k.shape[-2]
-    e, ev = q.shape[-1], v.shape[-1]
-    saved = op.floating_bytes() + tensor_bytes(out) + bh * q.shape[-2] * _STAT_BYTES
-    return _Work("attention", 2.0 * scores * (e + ev), 2.0 * scores * (3 * e + 2 * ev), saved)
-
-
-def _mha_work(op: _Op, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              embed: int, heads: int, batch_first: bool, need_weights: bool) -> _Work:
-    n = 1 if q.dim() == 2 else q.shape[0 if batch_first else 1]
-    tq, tk = q.numel() // q.shape[-1], k.numel() // k.shape[-1]  # tokens: n*L and n*S
-    proj = 2.0 * embed * (tq * q.shape[-1] + tk * k.shape[-1] + tk * v.shape[-1] + tq * embed)
-    attn = 4.0 * tq * (tk // n) * embed  # QK^T and PV over all heads
-    item = q.element_size()
-    saved = op.floating_bytes() + item * embed * (2 * tq + 2 * tk)
-    saved += heads * tq * (tk // n) * item if need_weights else heads * tq * _STAT_BYTES
-    return _Work("attention", proj + attn, 2.0 * (proj + attn), saved)
-
-
-def _mha_module(op: _Op) -> _Work:
-    m = op.module
-    need = bool(op.arg(4, "need_weights", default=True))
-    return _mha_work(op, op.arg(0, "query"), op.arg(1, "key"), op.arg(2, "value"),
-                     m.embed_dim, m.num_heads, m.batch_first, need)
-
-
-def _native_mha(op: _Op) -> _Work:
-    need = bool(op.arg(10, "need_weights", default=True))
-    return _mha_work(op, op.arg(0, "query"), op.arg(1, "key"), op.arg(2, "value"),
-                     op.arg(3, "embed_dim"), op.arg(4, "num_head"), True, need)
-
-
-_ROW_NORMS = ("layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm")
-
-
-def _norm_groups(op: _Op, x: torch.Tensor) -> int:
-    """How many groups the norm keeps statistics for (rows, N * groups, channels)."""
-    m, name = op.module, op.name
-    if isinstance(m, (nn.LayerNorm, nn.RMSNorm)) or name in _ROW_NORMS:
-        shape = m.normalized_shape if m is not None else op.arg(1, "normalized_shape")
-        return x.numel() // math.prod(shape)
-    if isinstance(m, nn.GroupNorm) or name in ("group_norm", "native_group_norm"):
-        groups = m.num_groups if m is not None else op.arg(6 if name.startswith("native") else 1)
-        return (x.shape[0] if x.dim() > 1 else 1) * groups
-    if isinstance(m, nn.modules.instancenorm._InstanceNorm) or name == "instance_norm":
-        return x.shape[0] * x.shape[1] if x.dim() > 2 else x.shape[0]
-    return x.shape[1] if x.dim() > 1 else x.shape[0]  # batch norm: one per channel
-
-
-def _norm(op: _Op) -> _Work:
-    x = op.arg(0, "input")
-    stats = 1 if isinstance(op.module, nn.RMSNorm) or "rms" in op.name else 2
-    saved = tensor_bytes(x) + stats * _STAT_BYTES * _norm_groups(op, x)
-    batch = isinstance(op.module, nn.modules.batchnorm._BatchNorm) or "batch_norm" in op.name
-    # A batch norm's parallelism is its channels (one reduction over N x H x W each): 64
-    # channels over large maps leave most of a GPU idle, whatever the bytes.
-    return _Work("norm", 5.0 * op.out_tensor.numel(), saved=saved, family="batch" if batch else "row",
-                 min_dim=_norm_groups(op, x) if batch else 0)
-
-
-def _dropout(op: _Op) -> _Work:
-    # A module's cost is its training cost; a function's train flag was fixed when traced.
-    if op.module is not None:
-        p, train = op.module.p, True
-    else:
-        p = op.arg(1, "p", default=0.5)
-        train = op.arg(2, "train", "training", default=True)
-    if p == 0 or train is False:
-        return _Work("view")  # ATen returns its input: no kernel, no mask
-    n = op.out_tensor.numel()
-    return _Work("elementwise", 2.0 * n, saved=n)  # bool mask, 1 byte per element
-
-
-def _embedding(op: _Op) -> _Work:
-    out = op.out_tensor
-    indices = [t for t in op.activations + op.weights if not t.is_floating_point()]
-    index_bytes = sum(tensor_bytes(t) for t in indices)
-    # Reads the gathered rows, not the whole table; backward scatter-adds one row per token.
-    return _Work("copy", 0.0, float(out.numel()), index_bytes, index_bytes + tensor_bytes(out))
-
-
-def _pool(max_pool: bool) -> Rule:
-    def rule(op: _Op) -> _Work:
-        x = op.arg(0, "input")
-        saved = tensor_bytes(x) + (8 * op.out_tensor.numel() if max_pool else 0)
-        return _Work("reduction", x.numel(), saved=saved, family="pool")
-
-    return rule
-
-
-_DEFAULT: Rule = _elementwise(1.0, "inputs")
-
-# The dispatch table for call_function and call_method nodes. Keys are op names shared by
-# ATen overloads (aten.add_.Tensor -> "add"), Tensor methods (x.add_ -> "add") and the
-# torch / torch.nn.functional / operator callables listed in FUNCTION_NAMES.
-# Extend it with NAMED_RULES["my_op"] = rule; a rule maps an _Op to a _Work.
-NAMED_RULES: dict[str, Rule] = {
-    **dict.fromkeys(
-        ["view", "_unsafe_view", "reshape", "view_as", "reshape_as", "permute", "transpose", "t",
-         "flatten", "unflatten", "expand", "expand_as", "squeeze", "unsqueeze", "select", "slice",
-         "narrow", "split", "split_with_sizes", "chunk", "tensor_split", "unbind", "detach",
-         "alias", "as_strided", "movedim", "swapaxes", "swapdims", "size", "dim", "numel",
-         "sym_size", "getattr", "lift_fresh_copy", "identity"], _view),
-    "getitem": _getitem,
-    **dict.fromkeys(["contiguous", "to", "type_as", "float", "half", "bfloat16", "double", "type"],
-                    _maybe_copy),
-    **dict.fromkeys(["cat", "concat", "concatenate", "stack", "clone", "copy", "_to_copy", "pad",
-                     "constant_pad_nd", "repeat", "tile", "roll", "index_select", "flip"], _copy),
-    **dict.fromkeys(["linear", "mm"], _matmul(0, "input", "self")),
-    **dict.fromkeys(["matmul", "bmm"], _matmul(0, "input", "self", batched=True)),
-    "addmm": _matmul(1, "mat1"),
-    "baddbmm": _matmul(1, "batch1", batched=True),
-    "einsum": _einsum,
-    **dict.fromkeys(["conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
-                     "conv_transpose3d", "convolution", "_convolution"], _conv),
-    **dict.fromkeys(["scaled_dot_product_attention", "_scaled_dot_product_efficient_attention",
-                     "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
-                     "_scaled_dot_product_flash_attention_for_cpu"], _sdpa),
-    "_native_multi_head_attention": _native_mha,
-    **dict.fromkeys(["layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm",
-                     "batch_norm", "native_batch_norm", "_native_batch_norm_legit",
-                     "_native_batch_norm_legit_no_training", "_native_batch_norm_legit_functional",
-                     "group_norm", "native_group_norm", "instance_norm"], _norm),
-    **dict.fromkeys(["softmax", "_softmax", "log_softmax", "_log_softmax"], _elementwise(5.0, "output")),
-    **dict.fromkeys(["relu", "sigmoid", "tanh", "elu", "hardtanh", "relu6"], _elementwise(1.0, "output")),
-    **dict.fromkeys(["gelu", "silu", "mish", "softplus", "hardswish", "hardsigmoid",
-                     "leaky_relu", "prelu"], _elementwise(4.0, "inputs")),
-    **dict.fromkeys(["add", "sub", "rsub", "neg", "radd"], _elementwise(1.0, "none")),
-    **dict.fromkeys(["mul", "div", "truediv", "floordiv"], _elementwise(1.0, "operands")),
-    **dict.fromkeys(["dropout", "native_dropout", "feature_dropout", "alpha_dropout",
-                     "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d"], _dropout),
-    "embedding": _embedding,
-    **dict.fromkeys(["max_pool1d", "max_pool2d", "max_pool3d", "max_pool2d_with_indices",
-                     "max_pool3d_with_indices", "adaptive_max_pool1d", "adaptive_max_pool2d",
-                     "adaptive_max_pool3d"], _pool(True)),
-    **dict.fromkeys(["avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d",
-                     "adaptive_avg_pool2d", "adaptive_avg_pool3d", "_adaptive_avg_pool2d",
-                     "_adaptive_avg_pool3d"], _pool(False)),
-    **dict.fromkeys(["sum", "mean", "nansum"], _reduction(False)),
-    **dict.fromkeys(["amax", "amin", "var", "std", "norm", "logsumexp", "prod", "cumsum"],
-                    _reduction(True)),
-}
-
-
-def _function_names() -> dict[Callable[..., Any], str]:
-    # torch.<name>, F.<name> and operator.<name> for every rule name, plus the odd aliases.
-    names: dict[Callable[..., Any], str] = {}
-    for name in NAMED_RULES:
-        for namespace in (torch, F, operator):
-            fn = getattr(namespace, name, None)
-            if callable(fn) and not isinstance(fn, type):
-                names.setdefault(fn, name)
-    names.update({
-        operator.iadd: "add", operator.isub: "sub", operator.imul: "mul",
-        operator.itruediv: "div", operator.matmul: "matmul", operator.getitem: "getitem",
-        builtins.getattr: "getattr",
-    })
-    return names
-
-
-FUNCTION_NAMES: dict[Callable[..., Any], str] = _function_names()
-
-# Leaf modules, matched along the MRO so that subclasses (timm's LayerNorm2d, MHA's
-# NonDynamicallyQuantizableLinear) inherit their base's rule.
-MODULE_RULES: dict[type, Rule] = {
-    nn.Linear: _linear_module,
-    nn.modules.conv._ConvNd: _conv,
-    nn.LayerNorm: _norm, nn.RMSNorm: _norm, nn.GroupNorm: _norm,
-    nn.modules.batchnorm._BatchNorm: _norm, nn.modules.instancenorm._InstanceNorm: _norm,
-    nn.MultiheadAttention: _mha_module,
-    nn.Embedding: _embedding,
-    nn.modules.dropout._DropoutNd: _dropout,
-    nn.Identity: _view, nn.Flatten: _view, nn.Unflatten: _view,
-    nn.Softmax: NAMED_RULES["softmax"], nn.LogSoftmax: NAMED_RULES["softmax"],
-    **dict.fromkeys([nn.ReLU, nn.Sigmoid, nn.Tanh, nn.ELU, nn.Hardtanh], NAMED_RULES["relu"]),
-    **dict.fromkeys([nn.GELU, nn.SiLU, nn.Mish, nn.Softplus, nn.Hardswish, nn.Hardsigmoid,
-                     nn.LeakyReLU, nn.PReLU], NAMED_RULES["gelu"]),
-    nn.modules.pooling._MaxPoolNd: _pool(True), nn.modules.pooling._AdaptiveMaxPoolNd: _pool(True),
-    nn.modules.pooling._AvgPoolNd: _pool(False), nn.modules.pooling._AdaptiveAvgPoolNd: _pool(False),
-}
-
-_warned_modules: set[type] = set()
-
-
-def _canonical(name: str) -> str:
-    # In-place variants cost what their out-of-place op costs: add_ -> add, relu_ -> relu.
-    return name[:-1] if name.endswith("_") and not name.endswith("__") else name
-
-
-def _module_rule(module: nn.Module) -> tuple[str, Rule] | None:
-    for cls in type(module).__mro__:
-        if cls in MODULE_RULES:
-            return cls.__name__, MODULE_RULES[cls]
-    return None
-
-
-def _rule_for(node: fx.Node, module: nn.Module | None) -> tuple[str, Rule]:
-    if node.op == "call_module":
-        found = _module_rule(module) if module is not None else None
-        if found is not None:
-            return found
-        if module is not None and any(True for _ in module.parameters()) and type(module) not in _warned_modules:
-            _warned_modules.add(type(module))
-            warnings.warn(f"autopipe cost: no rule for leaf module {type(module).__qualname__} "
-                          f"(node {node.name}, target {node.target}); costed as elementwise. "
-                          f"Add one: autopipe.partition.cost.MODULE_RULES[{type(module).__name__}] = rule",
-                          stacklevel=3)
-        return "module", _DEFAULT
-    if node.op == "call_method":
-        name = _canonical(str(node.target))
-    elif isinstance(node.target, torch._ops.OpOverload):
-        name = _canonical(node.target.name().split("::", 1)[-1].split(".", 1)[0])
-    elif isinstance(node.target, torch._ops.OpOverloadPacket):
-        name = _canonical(str(node.target).split(".", 1)[-1])
-    else:
-        name = FUNCTION_NAMES.get(node.target, "") if _hashable(node.target) else ""
-    return name, NAMED_RULES.get(name, _DEFAULT)
-
-
-def _hashable(x: Any) -> bool:
-    try:
-        hash(x)
-    except TypeError:
-        return False
-    return True
-
 
 def _owned_params(gm: fx.GraphModule, node: fx.Node) -> list[nn.Parameter]:
     try:
@@ -516,7 +111,7 @@ def _owned_params(gm: fx.GraphModule, node: fx.Node) -> list[nn.Parameter]:
     return []
 
 
-def _make_op(gm: fx.GraphModule, node: fx.Node, name: str, module: nn.Module | None) -> _Op:
+def _make_op(gm: fx.GraphModule, node: fx.Node, name: str, module: nn.Module | None) -> Op:
     activations: list[torch.Tensor] = []
     weights: list[torch.Tensor] = list(module.parameters()) if module is not None else []
     seen: set[fx.Node] = set()
@@ -524,10 +119,10 @@ def _make_op(gm: fx.GraphModule, node: fx.Node, name: str, module: nn.Module | N
         if isinstance(a, fx.Node) and a not in seen:
             seen.add(a)
             (weights if a.op == "get_attr" else activations).extend(tensor_values(value_of(a)))
-    return _Op(node, name, module, activations, weights, value_of(node))
+    return Op(node, name, module, activations, weights, value_of(node))
 
 
-def _assemble(op: _Op, work: _Work, params: list[nn.Parameter]) -> NodeCost:
+def _assemble(op: Op, work: Work, params: list[nn.Parameter]) -> NodeCost:
     out_bytes = value_bytes(op.out)
     param_count = sum(p.numel() for p in params)
     param_bytes = sum(tensor_bytes(p) for p in params)
@@ -550,9 +145,9 @@ def _assemble(op: _Op, work: _Work, params: list[nn.Parameter]) -> NodeCost:
 
 
 def _node_cost(gm: fx.GraphModule, node: fx.Node, params: list[nn.Parameter]) -> NodeCost:
-    free = _Op(node, node.op, None, [], [], value_of(node))
+    free = Op(node, node.op, None, [], [], value_of(node))
     if node.op in ("placeholder", "get_attr", "output"):
-        return _assemble(free, _Work("none"), params)
+        return _assemble(free, Work("none"), params)
     module = None
     if node.op == "call_module":
         try:
@@ -560,19 +155,19 @@ def _node_cost(gm: fx.GraphModule, node: fx.Node, params: list[nn.Parameter]) ->
         except AttributeError:
             pass
     if not any(True for _ in tensor_values(value_of(node))):
-        return _assemble(free, _Work("none"), params)  # shapes, asserts, guards: no tensor work
-    if module is not None and _module_rule(module) is None and any(True for _ in module.children()):
+        return _assemble(free, Work("none"), params)  # shapes, asserts, guards: no tensor work
+    if module is not None and module_rule(module) is None and any(True for _ in module.children()):
         parts = _composite_parts(node, module)
         if parts is not None:
             return _composite(parts, params, value_of(node))
-    name, rule = _rule_for(node, module)
+    name, rule = rule_for(node, module)
     op = _make_op(gm, node, name, module)
     try:
         work = rule(op)
     except (AttributeError, IndexError, TypeError, ValueError, RuntimeError, StopIteration) as e:
         warnings.warn(f"autopipe cost: rule {name!r} failed on node {node.name} "
                       f"({node.op} {node.target}): {e!r}; costed as elementwise", stacklevel=2)
-        work = _DEFAULT(op)
+        work = DEFAULT(op)
     return _assemble(op, work, params)
 
 

@@ -6,7 +6,6 @@ the steps, and leaves parameter gradients of the mean loss in ``.grad`` on every
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -21,8 +20,9 @@ from autopipe.runtime.graphs import StageGraphs, slots_per_stage
 from autopipe.failure.monitor import DEFAULT_DEADLINE, FailureMonitor, failure_key
 from autopipe.runtime.microbatch import SPLITS, batch_size, merge, microbatch_sizes, split_inputs, split_targets
 from autopipe.runtime.p2p import (
-    P2P, BufferPool, Link, TensorSpec, Transfer, check_boundary, floating_indices, link_groups,
+    P2P, BufferPool, Link, TensorSpec, Transfer, check_boundary, floating_indices, world_links,
 )  # fmt: skip
+from autopipe.runtime.stage_set import StageSet, check_layout
 from autopipe.runtime.program import Compute, PointToPoint, Step, Transfers, compile_program
 from autopipe.runtime.schedule import ActionKind, rank_actions, validate
 from autopipe.runtime.timeline import Timeline
@@ -31,18 +31,6 @@ from autopipe.runtime.warmup import warm_up
 __all__ = ["PipelineDriver", "StageSet"]
 
 # pp: pipeline ranks; m: micro-batches; S = pp * chunks stages, stage s on rank s % pp.
-
-
-@dataclass
-class StageSet:
-    """The stages of one graph with the tensors between them (``boundary_specs[k]``: between
-    stages k and k + 1, one micro-batch), what makes the model's output of the last one's, and
-    the stages at other micro-batch sizes (``variants``; see [Note: other batch sizes])."""
-
-    stages: dict[int, nn.Module]
-    boundary_specs: Sequence[Sequence[TensorSpec]]
-    postprocess: Callable[[tuple[torch.Tensor, ...]], Any]
-    variants: Callable[[int], Shapes] | None = None
 
 
 class PipelineDriver:
@@ -102,7 +90,7 @@ class PipelineDriver:
         if eval_set is not None:
             self._sets[False] = eval_set
         for stage_set in self._sets.values():
-            _check_layout(stage_set.stages, stage_set.boundary_specs, pp, chunks, pp_rank, pp_group)
+            check_layout(stage_set.stages, stage_set.boundary_specs, pp, chunks, pp_rank, pp_group)
         self.pp, self.chunks, self.pp_rank, self.group = pp, chunks, pp_rank, pp_group
         self.schedule, self.microbatches = schedule, microbatches
         self.loss_fn = loss_fn
@@ -116,7 +104,7 @@ class PipelineDriver:
         self._graphs_of: dict[bool, dict[int, StageGraphs]] = {mode: {} for mode in self._sets}
         self._programs: dict[tuple[str, int], list[Step]] = {}
         self._activate(training)
-        self.p2p = P2P(pp_group, links if links is not None else _own_links(pp_group)) if pp > 1 else None
+        self.p2p = P2P(pp_group, links if links is not None else world_links(pp_group)) if pp > 1 else None
         self.pool = BufferPool(self.device)
         # CPU tensors travel over gloo, whose p2p works finish only inside wait().
         self.monitor = monitor if monitor is not None else FailureMonitor(
@@ -468,31 +456,3 @@ class PipelineDriver:
         if self._last not in self.stages:
             return None
         return self.postprocess(merge([self._outputs[mb] for mb in range(self._m)]))
-
-
-def _own_links(group: dist.ProcessGroup | None) -> dict[Link, dist.ProcessGroup]:
-    """The links of a pipeline spanning every process; a smaller pipeline group needs its links
-    built by every process of the world (link_groups), so the caller must pass them."""
-    world = dist.get_world_size()
-    if dist.get_world_size(group) != world:
-        raise ConfigError(
-            f"pp_group has {dist.get_world_size(group)} of the {world} processes: build the pipelines' links "
-            f"on every process with autopipe.runtime.p2p.link_groups(pipelines) and pass links=")
-    ranks = [dist.get_global_rank(group if group is not None else dist.group.WORLD, r) for r in range(world)]
-    return link_groups([ranks])
-
-
-def _check_layout(stages: dict[int, nn.Module], boundary_specs: Sequence, pp: int, chunks: int,
-                  pp_rank: int, group: dist.ProcessGroup | None) -> None:
-    n = pp * chunks
-    local = [s for s in range(n) if s % pp == pp_rank]
-    if sorted(stages) != local:
-        raise ConfigError(f"pipeline rank {pp_rank} of pp={pp} with chunks={chunks} holds stages {local}, "
-                          f"but was given stages {sorted(stages)}")
-    if len(boundary_specs) != n - 1:
-        raise ConfigError(f"{n} stages have {n - 1} boundaries, got {len(boundary_specs)} boundary_specs")
-    if pp > 1 and not dist.is_initialized():
-        raise ConfigError(f"pp={pp} needs torch.distributed; call dist.init_process_group first")
-    if pp > 1 and (dist.get_world_size(group) != pp or dist.get_rank(group) != pp_rank):
-        raise ConfigError(f"pp_group has {dist.get_world_size(group)} ranks and this process is its rank "
-                          f"{dist.get_rank(group)}, but pp={pp} and pp_rank={pp_rank} were given")

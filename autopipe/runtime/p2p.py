@@ -15,7 +15,7 @@ from autopipe.errors import ConfigError, InputError
 
 __all__ = [
     "TensorSpec", "Transfer", "Handle", "Link", "P2P", "BufferPool",
-    "ring_links", "link_groups", "floating_indices", "check_boundary",
+    "ring_links", "link_groups", "world_links", "floating_indices", "check_boundary",
 ]  # fmt: skip
 
 
@@ -198,3 +198,15 @@ class BufferPool:
         if z is None:
             z = self._zeros[key] = torch.zeros(key[0], dtype=spec.dtype, device=self.device)
         return z
+
+
+def world_links(group: dist.ProcessGroup | None) -> dict[Link, dist.ProcessGroup]:
+    """The links of a pipeline spanning every process; a smaller pipeline group needs its links
+    built by every process of the world (link_groups), so the caller must pass them."""
+    world = dist.get_world_size()
+    if dist.get_world_size(group) != world:
+        raise ConfigError(
+            f"pp_group has {dist.get_world_size(group)} of the {world} processes: build the pipelines' links "
+            f"on every process with autopipe.runtime.p2p.link_groups(pipelines) and pass links=")
+    ranks = [dist.get_global_rank(group if group is not None else dist.group.WORLD, r) for r in range(world)]
+    return link_groups([ranks])

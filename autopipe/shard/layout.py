@@ -6,7 +6,6 @@ as plain data, every collective to insert and every shape constant to make local
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -18,64 +17,10 @@ from . import ops
 from .collectives import COLLECTIVES
 from .plan import CollectiveOp, ShapeEdit
 from .rules import Claim
+from .value_layout import (LOCAL, LOCAL_TOKENS, LocalShape, Partial, Result, Sharded, dtype_of, ndim_of, norm_dim,
+                           shape_of)
 
 __all__ = []
-
-
-@dataclass(frozen=True)
-class Sharded:
-    dim: int
-    outer: int = 1
-    origin: str = field(default="", compare=False)  # the sharded layer it comes from (for errors)
-    tokens: bool = False  # split across samples in a sequence-parallel region, features whole
-
-    def moved(self, dim: int, outer: int | None = None) -> "Sharded":
-        """The same split, found at ``dim`` of another tensor."""
-        return Sharded(dim, self.outer if outer is None else outer, self.origin, self.tokens)
-
-
-@dataclass(frozen=True)
-class Partial:
-    bias: str | None = None
-    trailing: int = 0  # dims after the bias's (a conv's channels are followed by its spatial dims)
-
-
-@dataclass(frozen=True)
-class LocalShape:
-    dim: int  # the entry of a shape tuple that is local at run time
-    tokens: bool = False
-
-
-LOCAL = "local"  # an int that is a local size at run time
-LOCAL_TOKENS = "local-tokens"  # the local number of samples of a sequence-parallel region
-
-
-@dataclass
-class Result:
-    layouts: dict[str, Any]
-    collectives: list[CollectiveOp]
-    edits: list[ShapeEdit]
-    swaps: dict[str, str]
-    partial_params: list[str] = field(default_factory=list)  # see [Note: sequence parallelism]
-
-
-def _ndim(node: fx.Node) -> int:
-    v = value_of(node)
-    return v.dim() if isinstance(v, torch.Tensor) else 0
-
-
-def _shape(node: Any) -> tuple[int, ...]:
-    v = value_of(node) if isinstance(node, fx.Node) else None
-    return tuple(v.shape) if isinstance(v, torch.Tensor) else ()
-
-
-def _norm(d: int, n: int) -> int:
-    return d + n if d < 0 else d
-
-
-def _dtype(node: fx.Node) -> str:
-    v = value_of(node)
-    return str(v.dtype).removeprefix("torch.") if isinstance(v, torch.Tensor) else ""
 
 
 # [Note: sequence parallelism]
@@ -142,12 +87,12 @@ class _Propagator:
         # A reduced node's users see the reduction: a later collective on it takes that.
         after = self.visible.get(src.name, src.name)
         self.collectives[name] = CollectiveOp(name, kind, after, tuple(u.name for u in users), module,
-                                              _shape(src), _dtype(src), fwd, bwd, dim, bias, bias_trailing)
+                                              shape_of(src), dtype_of(src), fwd, bwd, dim, bias, bias_trailing)
 
     def reduce(self, node: fx.Node, partial: Partial) -> Any:
         """Sum partial ``node`` over the ranks; the layout its users see."""
         module = node.meta.get(MODULE_KEY, "")
-        shape = _shape(node)
+        shape = shape_of(node)
         if self.sp and len(shape) >= 2 and shape[0] % self.tp == 0:  # see [Note: sequence parallelism]
             self.add_collective("reduce_scatter_tp", node, list(node.users), module, dim=0, bias=partial.bias,
                                 bias_trailing=partial.trailing)
@@ -215,20 +160,20 @@ class _Propagator:
             if style == "mha":
                 self.swaps[node.name] = "mha"
                 return (Partial(f"{node.target}.out_proj.bias"), None)
-            dim = 1 if ops.is_conv(node, self.gm) else _ndim(node) - 1
+            dim = 1 if ops.is_conv(node, self.gm) else ndim_of(node) - 1
             if "gather_from_tp" in claim.after:
                 self.add_collective("gather_from_tp", node, list(node.users), module, dim=dim)
                 return None
             return Sharded(dim, claim.outer, module)
         if style == "row":
-            dim = 1 if ops.is_conv(node, self.gm) else _ndim(tensors[0]) - 1
+            dim = 1 if ops.is_conv(node, self.gm) else ndim_of(tensors[0]) - 1
             if ins != [Sharded(dim, 1)]:
                 self.fail(node, f"a row-parallel layer needs its input split on dim {dim}, got {ins}")
             if node.op != "call_module" or type(ops.module_of(node, self.gm)) not in _ROW_TYPES:
                 self.fail(node, "row-parallel layers must be nn.Linear or nn.Conv1d/2d/3d leaves")
             self.swaps[node.name] = "row"
             has_bias = getattr(ops.module_of(node, self.gm), "bias", None) is not None
-            trailing = _ndim(node) - 2 if ops.is_conv(node, self.gm) else 0
+            trailing = ndim_of(node) - 2 if ops.is_conv(node, self.gm) else 0
             return self.reduce(node, Partial(f"{node.target}.bias" if has_bias else None, trailing))
         if style == "channel":
             if not ins or not isinstance(ins[0], Sharded) or ins[0].dim != 1 or ins[0].outer != 1:
@@ -243,12 +188,12 @@ class _Propagator:
 
     # -- ops on split activations ------------------------------------------------------------
     def pointwise(self, node: fx.Node) -> Any:
-        n_out = _ndim(node)
+        n_out = ndim_of(node)
         split: Sharded | None = None
         for a in node.all_input_nodes:
             lay = self.of(a)
             if isinstance(lay, Sharded):
-                s = lay.moved(lay.dim + n_out - _ndim(a))
+                s = lay.moved(lay.dim + n_out - ndim_of(a))
                 if split is not None and split != s:
                     self.fail(node, f"its inputs are split on different dims ({split}, {s})")
                 split = s
@@ -257,7 +202,7 @@ class _Propagator:
         assert split is not None
         for a in node.all_input_nodes:
             if self.of(a) is None and isinstance(value_of(a), torch.Tensor):
-                shape = _shape(a)
+                shape = shape_of(a)
                 k = split.dim - (n_out - len(shape))
                 if 0 <= k < len(shape) and shape[k] != 1:
                     if split.tokens or split.outer == 1:
@@ -278,7 +223,7 @@ class _Propagator:
 
     def reshape(self, node: fx.Node, s: Sharded, explicit: bool) -> Sharded:
         # See [Note: locating the split dim across a reshape] in ops.py.
-        src, out = _shape(node.args[0]), _shape(node)
+        src, out = shape_of(node.args[0]), shape_of(node)
         found = ops.locate_split(src, out, s.dim, s.outer, self.tp)
         if found is None:
             self.fail(node, f"the split dim {s.dim} of {list(src)} (outer {s.outer}) has no dim of "
@@ -290,9 +235,9 @@ class _Propagator:
         return s.moved(j, outer)
 
     def split_op(self, node: fx.Node, name: str, s: Sharded) -> Any:
-        n = _ndim(node.args[0])
+        n = ndim_of(node.args[0])
         default_dim = 0
-        d = _norm(ops.arg(node, 1 if name == "unbind" else 2, "dim", default_dim), n)
+        d = norm_dim(ops.arg(node, 1 if name == "unbind" else 2, "dim", default_dim), n)
         count = len(value_of(node)) if isinstance(value_of(node), (tuple, list)) else 0
         if name == "unbind":
             if d == s.dim:
@@ -322,51 +267,59 @@ class _Propagator:
             return LOCAL_TOKENS if base.tokens else LOCAL
         if not isinstance(base, Sharded):
             return None
-        dim = ops.indexed_dim(index, _ndim(node.args[0]), base.dim)
+        dim = ops.indexed_dim(index, ndim_of(node.args[0]), base.dim)
         if dim is None:
             self.fail(node, "it indexes the split dim")
         return base.moved(dim)  # type: ignore[arg-type]
+
+    def module_op(self, node: fx.Node, s: Any) -> Any:
+        """The layout out of a leaf module whose input has layout ``s``."""
+        gm, m = self.gm, ops.module_of(node, self.gm)
+        if isinstance(s, Sharded) and s.tokens:
+            # Per-sample layers keep a split across samples; masks drawn per rank would not be
+            # the one-process masks, so an active dropout gathers first (see run()).
+            if (ops.is_dropout(node, gm) or ops.is_samplewise(node, gm)) and self.drops(node):
+                self.fail(node, "dropout draws masks over every sample")
+            if ops.is_elementwise(node, gm):
+                return self.pointwise(node)
+            if (ops.is_linear(node, gm) and s.dim < ndim_of(node) - 1) or (ops.is_conv(node, gm) and s.dim == 0):
+                return s
+        if ops.is_elementwise(node, gm):
+            if ops.is_dropout(node, gm) and isinstance(self.pointwise(node), Sharded):
+                self.swaps[node.name] = "tp_dropout"
+            return self.pointwise(node)
+        if isinstance(m, torch.nn.LayerNorm) and isinstance(s, Sharded):
+            if s.dim >= ndim_of(node) - len(m.normalized_shape):
+                self.fail(node, "it normalises over the split dim")
+            return s
+        if ops.is_linear(node, gm) or ops.is_conv(node, gm):
+            self.fail(node, f"this replicated {type(m).__name__} gets a split activation; make it row-parallel, "
+                            f"e.g. ShardRule('row', match='{node.target}', style='row')")
+        self.fail(node, f"{type(m).__name__} is not known to keep a split activation")
+
+    def size_query(self, node: fx.Node, name: str, s: Any, first: Any) -> Any:
+        """What ``x.shape``, ``x.size(d)`` or ``x.dim()`` of a value with layout ``s`` holds."""
+        if not isinstance(s, Sharded):
+            return None
+        if name == "getattr":
+            return LocalShape(s.dim, s.tokens) if node.args[1] == "shape" else None
+        d = ops.arg(node, 1, "dim")
+        if name == "dim":
+            return None
+        if d is None:
+            return LocalShape(s.dim, s.tokens)
+        return (LOCAL_TOKENS if s.tokens else LOCAL) if norm_dim(d, ndim_of(first)) == s.dim else None
 
     def op(self, node: fx.Node) -> Any:
         gm, name = self.gm, ops.op_name(node) if node.op != "call_module" else ""
         first = node.args[0] if node.args else None
         s = self.of(first)
         if node.op == "call_module":
-            m = ops.module_of(node, gm)
-            if isinstance(s, Sharded) and s.tokens:
-                # Per-sample layers keep a split across samples; masks drawn per rank would not be
-                # the one-process masks, so an active dropout gathers first (see run()).
-                if (ops.is_dropout(node, gm) or ops.is_samplewise(node, gm)) and self.drops(node):
-                    self.fail(node, "dropout draws masks over every sample")
-                if ops.is_elementwise(node, gm):
-                    return self.pointwise(node)
-                if (ops.is_linear(node, gm) and s.dim < _ndim(node) - 1) or (ops.is_conv(node, gm) and s.dim == 0):
-                    return s
-            if ops.is_elementwise(node, gm):
-                if ops.is_dropout(node, gm) and isinstance(self.pointwise(node), Sharded):
-                    self.swaps[node.name] = "tp_dropout"
-                return self.pointwise(node)
-            if isinstance(m, torch.nn.LayerNorm) and isinstance(s, Sharded):
-                if s.dim >= _ndim(node) - len(m.normalized_shape):
-                    self.fail(node, "it normalises over the split dim")
-                return s
-            if ops.is_linear(node, gm) or ops.is_conv(node, gm):
-                self.fail(node, f"this replicated {type(m).__name__} gets a split activation; make it row-parallel, "
-                                f"e.g. ShardRule('row', match='{node.target}', style='row')")
-            self.fail(node, f"{type(m).__name__} is not known to keep a split activation")
+            return self.module_op(node, s)
         if name == "getitem":
             return self.getitem(node, s, node.args[1])
         if name in ops.SIZE_QUERIES:
-            if not isinstance(s, Sharded):
-                return None
-            if name == "getattr":
-                return LocalShape(s.dim, s.tokens) if node.args[1] == "shape" else None
-            d = ops.arg(node, 1, "dim")
-            if name == "dim":
-                return None
-            if d is None:
-                return LocalShape(s.dim, s.tokens)
-            return (LOCAL_TOKENS if s.tokens else LOCAL) if _norm(d, _ndim(first)) == s.dim else None
+            return self.size_query(node, name, s, first)
         if name in ops.DROPOUT_FUNCTIONS and isinstance(s, Sharded) and s.tokens and self.drops(node):
             self.fail(node, "dropout draws masks over every sample")
         if name in ops.DROPOUT_FUNCTIONS or ops.is_elementwise(node, gm):
@@ -384,7 +337,7 @@ class _Propagator:
             return None
         if not isinstance(s, Sharded):
             self.fail(node, f"its inputs have layouts {[self.of(a) for a in node.all_input_nodes]}")
-        n = _ndim(first)
+        n = ndim_of(first)
         if name in ops.RESHAPES:
             return self.reshape(node, s, explicit=True)
         if name in ops.SHAPE_ONLY:
@@ -398,13 +351,13 @@ class _Propagator:
         if name in ops.PERMUTES:
             if name == "permute":
                 dims = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) else node.args[1:]
-                return s.moved([_norm(d, n) for d in dims].index(s.dim))
-            a, b = (1, 0) if name == "t" else (_norm(node.args[1], n), _norm(node.args[2], n))
+                return s.moved([norm_dim(d, n) for d in dims].index(s.dim))
+            a, b = (1, 0) if name == "t" else (norm_dim(node.args[1], n), norm_dim(node.args[2], n))
             return s.moved(b if s.dim == a else a if s.dim == b else s.dim)
         if name in ops.SPLITS:
             return self.split_op(node, name, s)
         if name in ops.SOFTMAX:
-            if _norm(ops.arg(node, 1, "dim"), n) == s.dim:
+            if norm_dim(ops.arg(node, 1, "dim"), n) == s.dim:
                 self.fail(node, "it takes a softmax over the split dim")
             return s
         if name in ops.SDPA:

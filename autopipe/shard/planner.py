@@ -16,7 +16,8 @@ from ..errors import ConfigError, ShardingError, positive_int
 from ..graph import MODULE_KEY
 from ..tracer import TracedModel
 from . import ops
-from .layout import Sharded, propagate
+from .layout import propagate
+from .value_layout import Sharded
 from .plan import NodeShard, ParamShard, ShardPlan
 from .patterns import ordered_rules
 from .rules import Claim, ShardRule

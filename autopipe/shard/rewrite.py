@@ -179,7 +179,22 @@ def apply_sharding(traced: TracedModel, shard_plan: ShardPlan, tp_rank: int, *,
             node.args = (node.args[0], ops.arg(node, 1, "p", 0.5), ops.arg(node, 2, "training", True), tp_rank)
             node.kwargs, node.target = {}, tp_dropout
 
-    # Shape constants: see [Note: locating the split dim across a reshape] in ops.py.
+    _edit_shapes(graph, plan, by_name)  # see [Note: locating the split dim across a reshape] in ops.py
+    _insert_collectives(graph, plan, by_name, gname)
+    gm = fx.GraphModule(root, graph, class_name=type(src).__name__)
+    gm.training = src.training
+    gm.graph.lint()
+    gm.recompile()
+    device = next((t.device for t in list(gm.parameters()) + list(gm.buffers())), torch.device("cpu"))
+    inputs = [torch.zeros(s, dtype=d, device=device) for s, d in zip(traced.input_shapes, traced.input_dtypes)]
+    propagate_shapes(gm, inputs)
+    return TracedModel(gm=gm, route=traced.route, out_spec=traced.out_spec, input_shapes=list(traced.input_shapes),
+                       input_dtypes=list(traced.input_dtypes), attempts=dict(traced.attempts))
+
+
+def _edit_shapes(graph: fx.Graph, plan: ShardPlan, by_name: dict[str, fx.Node]) -> None:
+    """Shape constants made local (``//tp``), whole again (``*tp``) or replaced."""
+    tp = plan.tp
     for edit in plan.shape_edits:
         node = by_name[edit.node]
         sizes, store = _size_slot(node)
@@ -193,6 +208,10 @@ def apply_sharding(traced: TracedModel, shard_plan: ShardPlan, tp_rank: int, *,
             sizes[edit.index] = edit.new
         store(sizes)
 
+
+def _insert_collectives(graph: fx.Graph, plan: ShardPlan, by_name: dict[str, fx.Node], gname: str | None) -> None:
+    """Each planned collective after its source node (and a row-parallel bias added after it)."""
+    tp = plan.tp
     for c in plan.collectives:
         src_node = by_name[c.src]
         kind = COLLECTIVES[c.kind]
@@ -214,13 +233,3 @@ def apply_sharding(traced: TracedModel, shard_plan: ShardPlan, tp_rank: int, *,
         for u in c.users:
             by_name[u].replace_input_with(src_node, last)
         by_name[c.name] = last  # a later collective may take its output (see layout.add_collective)
-
-    gm = fx.GraphModule(root, graph, class_name=type(src).__name__)
-    gm.training = src.training
-    gm.graph.lint()
-    gm.recompile()
-    device = next((t.device for t in list(gm.parameters()) + list(gm.buffers())), torch.device("cpu"))
-    inputs = [torch.zeros(s, dtype=d, device=device) for s, d in zip(traced.input_shapes, traced.input_dtypes)]
-    propagate_shapes(gm, inputs)
-    return TracedModel(gm=gm, route=traced.route, out_spec=traced.out_spec, input_shapes=list(traced.input_shapes),
-                       input_dtypes=list(traced.input_dtypes), attempts=dict(traced.attempts))

@@ -54,19 +54,18 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException as DCPException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .checkpoint_files import ChecksummedWriter, VerifyingReader, checksum, verify
+from .checkpoint_files import ChecksummedWriter, checksum
 from .checkpoint_ranks import agree, checkpoint_group, from_rank0, world_of
 from ..errors import CheckpointError
-from ..stages.mlp_pieces import PieceParam
-from .state_map import StateEntry, load_local_state, local_full_state, stage_map
+from .state_map import StateEntry, local_full_state, stage_map
 from .zero import held_parameters, local_optimizer
 
 if TYPE_CHECKING:
     from .parallel_model import ParallelModel
 
-__all__ = ["save_checkpoint", "load_checkpoint"]
+__all__ = ["save_checkpoint", "FORMAT", "LATEST", "PREFIX", "MANIFEST", "EXTRA", "quiet", "describe", "param_names",
+           "state_entries", "latest_name"]
 
 FORMAT = 1
 LATEST = "latest"
@@ -77,7 +76,7 @@ EXTRA = "extra.pt"
 
 
 @contextlib.contextmanager
-def _quiet(world: int) -> Iterator[None]:
+def quiet(world: int) -> Iterator[None]:
     """Without a process group DCP warns that it assumes one process, which is what is meant."""
     with warnings.catch_warnings():
         if world == 1:
@@ -85,16 +84,16 @@ def _quiet(world: int) -> Iterator[None]:
         yield
 
 
-def _describe(exc: BaseException) -> str:
+def describe(exc: BaseException) -> str:
     if isinstance(exc, DCPException):  # a BaseException: one entry per failed rank
-        return "; ".join(f"rank {r}: {_describe(e)}" for r, (e, _) in sorted(exc.failures.items()))
+        return "; ".join(f"rank {r}: {describe(e)}" for r, (e, _) in sorted(exc.failures.items()))
     if isinstance(exc, CheckpointError):
         return str(exc)
     return f"{type(exc).__name__}: {exc}" if str(exc) else f"{type(exc).__name__} (no message; a file may be truncated)"
 
 
 # ----------------------------------------------------------------------------- state
-def _param_names(pm: ParallelModel, optimizer: torch.optim.Optimizer) -> dict[int, str]:
+def param_names(pm: ParallelModel, optimizer: torch.optim.Optimizer) -> dict[int, str]:
     """``id(param) -> name`` for the optimizer's parameters, all of which must be ``pm``'s."""
     names = {id(p): n for n, p in pm.named_parameters()}
     foreign = sum(id(p) not in names for g in optimizer.param_groups for p in g["params"])
@@ -106,7 +105,7 @@ def _param_names(pm: ParallelModel, optimizer: torch.optim.Optimizer) -> dict[in
     return names
 
 
-def _entries(pm: ParallelModel) -> dict[str, StateEntry]:
+def state_entries(pm: ParallelModel) -> dict[str, StateEntry]:
     """The state map of this rank's stages; see autopipe/training/state_map.py."""
     return stage_map(pm.stages, pm.shard_plan, pm.plan.mlp_pieces)
 
@@ -119,39 +118,6 @@ def _gathered(entry: StateEntry, t: torch.Tensor, like: tuple[int, ...], group: 
     return entry.gather(t, group, f"all-gather of the optimizer state of '{entry.key}' over the tp ranks").cpu()
 
 
-def _local(entry: StateEntry, t: torch.Tensor, tp_rank: int) -> torch.Tensor:
-    """This tp rank's part of a full parameter-shaped tensor (inverse of :func:`_gathered`)."""
-    if entry.split is None or tuple(t.shape) != tuple(entry.split.shape):
-        return t
-    return entry.cut(t, tp_rank).contiguous().clone()
-
-
-def _index(stored: Any) -> dict[str, list[tuple[int, int, str]]]:
-    """Full name -> [(dim, first index, stored name)] of the stored names (a whole tensor: 0, 0)."""
-    out: dict[str, list[tuple[int, int, str]]] = {}
-    for name in stored:
-        piece = PieceParam.from_stored(name)
-        out.setdefault(piece.full, []).append((piece.dim or 0, piece.start, name))
-    return {k: sorted(v) for k, v in out.items()}
-
-
-def _assemble(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
-    """One tensor from its saved pieces in order (a 0-dim state, such as a step, is shared)."""
-    if len(parts) == 1 or parts[0].dim() == 0:
-        return parts[0]
-    return torch.cat(parts, dim=dim)
-
-
-def _stored_shape(parts: list[tuple[int, tuple[int, ...]]]) -> tuple[int, ...] | None:
-    """The full shape that saved pieces (dim, shape) make up; None when nothing was saved."""
-    if not parts:
-        return None
-    dim, shape = parts[0]
-    if len(parts) == 1:
-        return tuple(shape)
-    return tuple(sum(p[1][dim] for p in parts) if d == dim else size for d, size in enumerate(shape))
-
-
 def _optimizer_state(pm: ParallelModel, optimizer: torch.optim.Optimizer,
                      names: dict[int, str]) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
     """Tensors keyed ``optim.<name>.<state>`` (full shapes), and per parameter its group's
@@ -160,7 +126,7 @@ def _optimizer_state(pm: ParallelModel, optimizer: torch.optim.Optimizer,
     tensors: dict[str, torch.Tensor] = {}
     info: dict[str, dict] = {}
     held, states = held_parameters(optimizer), local_optimizer(optimizer).state
-    mapped = _entries(pm)
+    mapped = state_entries(pm)
     entries = [(names[id(p)], p, g) for g in optimizer.param_groups for p in g["params"]
                if held is None or id(p) in held]
     for name, p, group in sorted(entries, key=lambda e: e[0]):  # same order on every tp rank
@@ -213,7 +179,7 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _latest(path: str) -> str | None:
+def latest_name(path: str) -> str | None:
     try:
         with open(os.path.join(path, LATEST)) as f:
             return f.read().strip() or None
@@ -222,6 +188,42 @@ def _latest(path: str) -> str | None:
 
 
 # ----------------------------------------------------------------------------- save
+def _rank_state(pm: ParallelModel, optimizer: torch.optim.Optimizer | None,
+                names: dict[int, str] | None) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    """What this rank writes (tp rank 0 only) and its optimizer's per-parameter info; collective over tp."""
+    model, optim, info = {}, {}, {}
+    if pm.dp_rank == 0:
+        entries = state_entries(pm)
+        model = {f"model.{entries[k].stored}": v
+                 for k, v in local_full_state(pm.stages, pm.shard_plan, pm.mesh.tp_group).items()}
+    if optimizer is not None and (pm.dp_rank == 0 or held_parameters(optimizer) is not None):
+        optim, info = _optimizer_state(pm, optimizer, names)
+    if pm.tp_rank == 0:
+        return {**model, **optim}, info
+    return {}, {}
+
+
+def _commit(path: str, name: str, manifest: dict[str, Any], extra_bytes: bytes | None) -> None:
+    """Rank 0: write the manifest and extra into ``path/name``, point ``latest`` at it, and
+    delete the older checkpoints."""
+    target, pointer = os.path.join(path, name), os.path.join(path, f"{POINTER_TMP}{name}")
+    buf = io.BytesIO()
+    torch.save(manifest, buf)
+    _write_file(os.path.join(target, MANIFEST), buf.getvalue())
+    if extra_bytes is not None:
+        _write_file(os.path.join(target, EXTRA), extra_bytes)
+    _fsync_dir(target)
+    _write_file(pointer, name.encode())
+    os.replace(pointer, os.path.join(path, LATEST))
+    _fsync_dir(path)
+    for entry in os.listdir(path):  # older checkpoints and what saves that died left
+        if entry.startswith(PREFIX) and entry != name:
+            shutil.rmtree(os.path.join(path, entry), ignore_errors=True)
+        elif entry.startswith(POINTER_TMP):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(path, entry))
+
+
 def save_checkpoint(pm: ParallelModel, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
                     *, extra: Any = None) -> str:
     """Collective. See [Note: checkpoint layout]; returns the directory that ``latest`` names."""
@@ -234,11 +236,11 @@ def save_checkpoint(pm: ParallelModel, path: str | os.PathLike, optimizer: torch
         if os.path.exists(path) and not os.path.isdir(path):
             raise CheckpointError(f"checkpoint path {path!r} is a file; pass a directory path "
                                   "(it is created if missing)")
-        names = _param_names(pm, optimizer) if optimizer is not None else None
+        names = param_names(pm, optimizer) if optimizer is not None else None
         if rank == 0:
             extra_bytes = _serialise_extra(extra)
     except Exception as exc:  # noqa: BLE001 - agreed on below
-        error = _describe(exc)
+        error = describe(exc)
     proposals = agree(group, error, (f"{PREFIX}{uuid.uuid4().hex[:12]}", path))
     paths = sorted({p for _, p in proposals})
     if len(paths) > 1:
@@ -247,7 +249,7 @@ def save_checkpoint(pm: ParallelModel, path: str | os.PathLike, optimizer: torch
     name = proposals[0][0]
     target = os.path.join(path, name)
     pointer = os.path.join(path, f"{POINTER_TMP}{name}")
-    previous = _latest(path)
+    previous = latest_name(path)
 
     def fail(stage: str, exc: CheckpointError) -> CheckpointError:
         if rank == 0:
@@ -262,19 +264,9 @@ def save_checkpoint(pm: ParallelModel, path: str | os.PathLike, optimizer: torch
     error, state, info = None, {}, {}
     try:
         os.makedirs(target, exist_ok=True)
-        model, optim = {}, {}
-        if pm.dp_rank == 0:
-            entries = _entries(pm)
-            model = {f"model.{entries[k].stored}": v
-                     for k, v in local_full_state(pm.stages, pm.shard_plan, pm.mesh.tp_group).items()}
-        if optimizer is not None and (pm.dp_rank == 0 or held_parameters(optimizer) is not None):
-            optim, info = _optimizer_state(pm, optimizer, names)
-        if pm.tp_rank == 0:
-            state = {**model, **optim}
-        else:
-            info = {}
+        state, info = _rank_state(pm, optimizer, names)
     except Exception as exc:  # noqa: BLE001 - agreed on below
-        error = _describe(exc)
+        error = describe(exc)
     try:
         infos = agree(group, error, info)
     except CheckpointError as exc:
@@ -284,206 +276,30 @@ def save_checkpoint(pm: ParallelModel, path: str | os.PathLike, optimizer: torch
     error, sums = None, {}
     try:
         writer = ChecksummedWriter(target)
-        with _quiet(world):
+        with quiet(world):
             dcp.save(state, storage_writer=writer, process_group=group, no_dist=world == 1)
         sums = writer.checksums()
         if rank == 0:
             sums[".metadata"] = checksum(os.path.join(target, ".metadata"))
     except (Exception, DCPException) as exc:  # noqa: BLE001 - agreed on below
-        error = _describe(exc)
+        error = describe(exc)
     try:
         checksums = {k: v for part in agree(group, error, sums) for k, v in part.items()}
     except CheckpointError as exc:
         raise fail("writing the shards", exc) from None
 
     # 4. Rank 0 completes the directory and commits it.
-    def commit() -> None:
-        merged: dict[str, dict] = {}
-        for part in infos:
-            merged.update(part)
-        manifest = {
-            "format": FORMAT,
-            "model": pm.model_name,
-            "layout": {"pp": pm.plan.pp, "tp": pm.mesh.dims.tp, "dp": pm.dp_size, "chunks": pm.plan.chunks},
-            "optimizer": merged if optimizer is not None else None,
-            "loss_scaler": pm.training_state.scaler_state(),
-            "extra": extra_bytes is not None,
-            "checksums": checksums,  # see [Note: checkpoint checksums]
-        }
-        buf = io.BytesIO()
-        torch.save(manifest, buf)
-        _write_file(os.path.join(target, MANIFEST), buf.getvalue())
-        if extra_bytes is not None:
-            _write_file(os.path.join(target, EXTRA), extra_bytes)
-        _fsync_dir(target)
-        _write_file(pointer, name.encode())
-        os.replace(pointer, os.path.join(path, LATEST))
-        _fsync_dir(path)
-        for entry in os.listdir(path):  # older checkpoints and what saves that died left
-            if entry.startswith(PREFIX) and entry != name:
-                shutil.rmtree(os.path.join(path, entry), ignore_errors=True)
-            elif entry.startswith(POINTER_TMP):
-                with contextlib.suppress(OSError):
-                    os.remove(os.path.join(path, entry))
-
+    manifest = {
+        "format": FORMAT,
+        "model": pm.model_name,
+        "layout": {"pp": pm.plan.pp, "tp": pm.mesh.dims.tp, "dp": pm.dp_size, "chunks": pm.plan.chunks},
+        "optimizer": {k: v for part in infos for k, v in part.items()} if optimizer is not None else None,
+        "loss_scaler": pm.training_state.scaler_state(),
+        "extra": extra_bytes is not None,
+        "checksums": checksums,  # see [Note: checkpoint checksums]
+    }
     try:
-        from_rank0(group, commit)  # raises before os.replace or not at all
+        from_rank0(group, lambda: _commit(path, name, manifest, extra_bytes))  # raises before os.replace or not at all
     except CheckpointError as exc:
         raise fail("committing", exc) from None
     return target
-
-
-# ----------------------------------------------------------------------------- load
-def _read(path: str) -> dict[str, Any]:
-    """Rank 0: the committed directory, its manifest, tensor metadata and extra."""
-    if not os.path.isdir(path):
-        raise CheckpointError(f"no checkpoint at {path!r}: the directory does not exist; pass the path "
-                              "given to pm.save_checkpoint()")
-    name = _latest(path)
-    if name is None:
-        partial = sorted(e for e in os.listdir(path) if e.startswith(PREFIX))
-        found = (f"it holds only unfinished saves ({', '.join(partial)}), which are never loaded"
-                 if partial else "it has no 'latest' file")
-        if os.path.exists(os.path.join(path, ".metadata")):
-            found = "it is a plain torch.distributed.checkpoint directory, not one written by autopipe"
-        raise CheckpointError(f"{path!r} holds no complete autopipe checkpoint: {found}. Pass the directory "
-                              "given to pm.save_checkpoint(); a save that was interrupted leaves nothing to load")
-    target = os.path.join(path, name)
-    file = MANIFEST
-    try:
-        manifest = torch.load(os.path.join(target, MANIFEST), weights_only=True)
-        file = ".metadata"
-        verify(target, file, manifest.get("checksums"))
-        metadata = dcp.FileSystemReader(target).read_metadata()
-        file = EXTRA
-        extra = torch.load(os.path.join(target, EXTRA), weights_only=True) if manifest["extra"] else None
-    except CheckpointError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - becomes the message
-        raise CheckpointError(f"checkpoint {target!r} (named by {path}/{LATEST}) cannot be read: its file "
-                              f"{file!r} gives {_describe(exc)}; it was changed or truncated after it was saved"
-                              ) from None
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint {target!r} has format {manifest.get('format')!r}; this autopipe "
-                              f"reads format {FORMAT}. Load it with the autopipe version that saved it")
-    tensors = {k: (tuple(m.size), m.properties.dtype) for k, m in metadata.state_dict_metadata.items()
-               if isinstance(m, TensorStorageMetadata)}
-    return {"dir": target, "manifest": manifest, "tensors": tensors, "extra": extra}
-
-
-def _targets(pm: ParallelModel, optimizer: torch.optim.Optimizer | None,
-             found: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Empty tensors for every key this rank loads, after checking that the checkpoint fits."""
-    manifest, tensors, where = found["manifest"], found["tensors"], found["dir"]
-    saved = f"saved from {manifest['model']} with " + ", ".join(f"{k}={v}" for k, v in manifest["layout"].items())
-    out: dict[str, torch.Tensor] = {}
-    missing, wrong = [], []
-    model = _index(k[len("model."):] for k in tensors if k.startswith("model."))
-    full_shapes, entries = pm.full_shapes, _entries(pm)
-    for s in sorted(pm.stages):
-        for k in pm.stages[s].state_dict():
-            k = entries[k].full
-            want = full_shapes[k]
-            parts = model.get(k, [])
-            got = _stored_shape([(d, tensors[f"model.{name}"][0]) for d, _, name in parts])
-            if got is None:
-                missing.append(k)
-            elif tuple(got) != want:
-                wrong.append(f"{k}: {list(got)} in the checkpoint, {list(want)} in the model")
-            else:
-                for _, _, name in parts:
-                    shape, dtype = tensors[f"model.{name}"]
-                    out[f"model.{name}"] = torch.empty(shape, dtype=dtype)
-    if missing or wrong:
-        problems = ([f"missing {len(missing)} tensor(s): {', '.join(missing[:5])}"] if missing else []) + wrong[:5]
-        if len(wrong) > 5:
-            problems.append(f"and {len(wrong) - 5} more tensors of other shapes")
-        raise CheckpointError(f"checkpoint {where!r} ({saved}) does not fit this model:\n"
-                              + "\n".join(f"  - {p}" for p in problems)
-                              + "\nLoad it into the model it was saved from; to start from other weights "
-                              "use pm.load_full_state_dict(state_dict)")
-    if optimizer is None:
-        return out
-    states = manifest["optimizer"]
-    if states is None:
-        raise CheckpointError(f"checkpoint {where!r} holds no optimizer state (it was saved without "
-                              "optimizer=); call load_checkpoint(path) without the optimizer and start it afresh")
-    names = _param_names(pm, optimizer)
-    stored = _index(states)
-    held = held_parameters(optimizer)
-    for g in optimizer.param_groups:
-        for p in g["params"]:
-            name = entries[names[id(p)]].full
-            if held is not None and id(p) not in held:
-                continue  # another dp rank's under ZeRO
-            if name not in stored:
-                raise CheckpointError(f"checkpoint {where!r} holds no optimizer state for parameter '{name}'; "
-                                      "build the optimizer over the same parameters as when it was saved")
-            for _, _, part in stored[name]:
-                for k in states[part]["tensors"]:
-                    shape, dtype = tensors[f"optim.{part}.{k}"]
-                    out[f"optim.{part}.{k}"] = torch.empty(shape, dtype=dtype)
-    return out
-
-
-def _apply_optimizer(pm: ParallelModel, optimizer: torch.optim.Optimizer, states: dict[str, dict],
-                     loaded: dict[str, torch.Tensor]) -> None:
-    names, entries = _param_names(pm, optimizer), _entries(pm)
-    stored = _index(states)
-    mine = held_parameters(optimizer)  # under ZeRO the state dict holds this rank's states only
-    sd: dict[str, Any] = {"state": {}, "param_groups": []}
-    index = 0
-    for g in optimizer.param_groups:
-        ids, hyper = [], None
-        for p in g["params"]:
-            name = names[id(p)]
-            entry = entries[name]
-            held, parts = entry.piece, stored[entry.full]
-            saved = states[parts[0][2]]
-            hyper = hyper if hyper is not None else saved["group"]
-            st = dict(saved["values"])
-            for k in saved["tensors"] if mine is None or id(p) in mine else ():
-                t = _assemble([loaded[f"optim.{part}.{k}"] for _, _, part in parts], parts[0][0])
-                st[k] = _local(entry, t if held is None else held.of(t).clone(), pm.tp_rank)
-            if st and (mine is None or id(p) in mine):
-                sd["state"][index] = st
-            ids.append(index)
-            index += 1
-        sd["param_groups"].append({**(hyper or {}), "params": ids})
-    optimizer.load_state_dict(sd)
-
-
-def load_checkpoint(pm: ParallelModel, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> Any:
-    """Collective. Loads the checkpoint ``path/latest`` names; returns the ``extra`` it was saved with."""
-    path = os.fspath(path)
-    group = checkpoint_group(pm)
-    found = from_rank0(group, lambda: _read(path))
-    world = world_of()[1]
-    error, state = None, {}
-    try:
-        state = _targets(pm, optimizer, found)
-    except Exception as exc:  # noqa: BLE001 - agreed on below
-        error = _describe(exc)
-    agree(group, error)
-
-    error = None
-    try:
-        reader = VerifyingReader(found["dir"], found["manifest"].get("checksums"))
-        with _quiet(world):
-            dcp.load(state, storage_reader=reader, process_group=group, no_dist=world == 1)
-    except (Exception, DCPException) as exc:  # noqa: BLE001 - agreed on below
-        error = f"reading {found['dir']!r} failed: {_describe(exc)}"
-    agree(group, error)
-
-    error = None
-    try:
-        model = _index(k[len("model."):] for k in state if k.startswith("model."))
-        load_local_state(pm.stages, {full: _assemble([state[f"model.{name}"] for _, _, name in parts], parts[0][0])
-                                     for full, parts in model.items()}, pm.shard_plan, pm.tp_rank, pm.plan.mlp_pieces)
-        if optimizer is not None:
-            _apply_optimizer(pm, optimizer, found["manifest"]["optimizer"], state)
-        pm.training_state.load_scaler_state(found["manifest"]["loss_scaler"])
-    except Exception as exc:  # noqa: BLE001 - agreed on below
-        error = f"applying {found['dir']!r} failed: {_describe(exc)}"
-    agree(group, error)
-    return found["extra"]

@@ -24,7 +24,8 @@ from ..failure.objects import all_gather_objects
 from ..partition.plan import PartitionPlan
 from ..runtime.timeline import Timeline
 from ..stages.mlp_pieces import merge_pieces
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import save_checkpoint
+from .checkpoint_load import load_checkpoint
 from .gradients import average_gradients, clip_gradients, global_grad_norm, reduce_sequence_parallel_grads
 from .mesh import Mesh
 from .stage_runtime import StageRuntime

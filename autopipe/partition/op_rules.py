@@ -1,0 +1,293 @@
+"""The pricing rules: what one node of each kind computes, moves and saves for backward, read
+from the shapes of its operands and output. ``cost.py`` holds the tables that pick a rule per
+node and turns a rule's :class:`Work` into a ``NodeCost`` by [Note: cost conventions].
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from torch.utils import _pytree as pytree
+
+from autopipe.graph import tensor_bytes, tensor_values, value_of
+
+__all__ = ["Op", "Work", "Rule", "STAT_BYTES", "DEFAULT"] + [
+    "view", "getitem", "maybe_copy", "copy", "matmul", "einsum", "conv", "sdpa", "native_mha", "norm", "elementwise",
+    "dropout", "embedding", "pool", "reduction", "linear_module", "mha_module"]
+
+STAT_BYTES = 4  # norm statistics are fp32 whatever the activation dtype
+
+
+@dataclass
+class Op:
+    """What a rule sees: the node, its leaf module, its tensor operands and its output."""
+
+    node: fx.Node
+    name: str  # the rule-table key that matched ("linear", "conv", ...)
+    module: nn.Module | None
+    activations: list[torch.Tensor]  # distinct tensors produced by computing nodes
+    weights: list[torch.Tensor]  # parameters/buffers: the module's own, or get_attr operands
+    out: Any
+
+    def arg(self, i: int, *names: str, default: Any = None) -> Any:
+        """Value of positional argument ``i`` or of the first keyword in ``names``."""
+        if i < len(self.node.args):
+            a = self.node.args[i]
+        else:
+            a = next((self.node.kwargs[n] for n in names if n in self.node.kwargs), default)
+        return value_of(a) if isinstance(a, fx.Node) else a
+
+    @property
+    def out_tensor(self) -> torch.Tensor:
+        # ATen variants (native_layer_norm, flash attention...) return tuples; the first
+        # tensor is the result, the rest are statistics.
+        return next(tensor_values(self.out))
+
+    def floating_bytes(self) -> int:
+        """Bytes of the floating-point activations: what a rule saves for backward."""
+        return sum(tensor_bytes(t) for t in self.activations if t.is_floating_point())
+
+
+@dataclass
+class Work:
+    """A rule's answer; ``_assemble`` turns it into a NodeCost by the shared conventions."""
+
+    kind: str
+    flops: float = 0.0
+    bwd_flops: float | None = None  # None: flops * _BWD_RATIO[kind] (1 if absent)
+    saved: int = 0
+    reads: float | None = None  # None: every activation and weight is read once
+    family: str = ""
+    min_dim: int = 0
+
+
+Rule = Callable[[Op], Work]
+
+
+def view(op: Op) -> Work:
+    return Work("view")
+
+
+def copy(op: Op) -> Work:
+    return Work("copy")
+
+
+def maybe_copy(op: Op) -> Work:
+    # .contiguous() and .to() return their input when it already fits; meta and fake
+    # tensors keep strides, so the propagated values tell (LayerNorm2d's output, for one,
+    # is channels-last, and permuting it back gives a contiguous tensor).
+    x, y = (op.activations[0] if op.activations else None), op.out_tensor
+    same = x is not None and (x.shape, x.stride(), x.dtype, x.device) == (y.shape, y.stride(), y.dtype, y.device)
+    return Work("view" if same else "copy")
+
+
+def getitem(op: Op) -> Work:
+    # Slicing is a view; indexing with a tensor gathers into a new tensor.
+    index = op.arg(1, "idx")
+    return Work("copy" if any(True for _ in tensor_values(index)) else "view")
+
+
+def _tensor_operands(node: fx.Node) -> int:
+    # Counted with repeats: x * x saves x, x * gamma saves x (gamma is alive anyway).
+    return sum(1 for a in pytree.tree_leaves((node.args, node.kwargs))
+               if isinstance(a, fx.Node) and isinstance(value_of(a), torch.Tensor))
+
+
+def elementwise(flops_per_element: float = 1.0, saves: str = "inputs") -> Rule:
+    """saves: "inputs" (floating inputs), "output", "operands" (both, if two tensors), "none"."""
+
+    def rule(op: Op) -> Work:
+        out = op.out_tensor
+        saved = {
+            "inputs": lambda: op.floating_bytes(),
+            "output": lambda: tensor_bytes(out),
+            "operands": lambda: op.floating_bytes() if _tensor_operands(op.node) >= 2 else 0,
+            "none": lambda: 0,
+        }[saves]()
+        return Work("elementwise", flops_per_element * out.numel(), saved=saved)
+
+    return rule
+
+
+def reduction(saves_input: bool) -> Rule:
+    def rule(op: Op) -> Work:
+        x = op.arg(0, "input", "self")
+        return Work("reduction", x.numel(), saved=op.floating_bytes() if saves_input else 0)
+
+    return rule
+
+
+def _contract(op: Op, k: int, *, batched: bool = False) -> Work:
+    out = op.out_tensor
+    n = out.shape[-1] if out.dim() else 1
+    # A batched product's rows (tokens) bound its efficiency; a linear layer's rows are every
+    # leading dim, batch included, and do not (they are many): its weight's shape does.
+    dims = (out.shape[-2] if out.dim() > 1 else 1, n, k) if batched else (n, k)
+    return Work("matmul", 2.0 * out.numel() * k, saved=op.floating_bytes(), family="gemm",
+                 min_dim=int(min(dims)))
+
+
+def matmul(first: int, *names: str, batched: bool = False) -> Rule:
+    # The output numel covers batch broadcasting and 1-D operands; k is the contracted size.
+    return lambda op: _contract(op, op.arg(first, *names).shape[-1], batched=batched)
+
+
+def linear_module(op: Op) -> Work:
+    return _contract(op, op.module.weight.shape[1])  # not in_features: a tp shard's is the original's
+
+
+def _conv_flops(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, transposed: bool) -> float:
+    # As torch.utils.flop_counter: every weight element meets every output (input, when
+    # transposed) position once; weight is [C_out, C_in/groups, *k] ([C_in, C_out/groups, *k]).
+    spatial = w.dim() - 2
+    batch = math.prod(x.shape[: x.dim() - spatial - 1])  # 1 for an unbatched input
+    positions = math.prod((x if transposed else out).shape[x.dim() - spatial :])
+    return 2.0 * batch * math.prod(w.shape) * positions
+
+
+def conv(op: Op) -> Work:
+    x = op.arg(0, "input")
+    if op.module is not None:
+        w, transposed = op.module.weight, bool(op.module.transposed)
+    else:
+        w = op.arg(1, "weight")
+        transposed = op.name.startswith("conv_transpose") or (
+            op.name in ("convolution", "_convolution") and bool(op.arg(6, "transposed")))
+    # The implicit GEMM's N (output channels per group) and K (input channels per group x kernel).
+    groups = max(_groups(op), 1)
+    per_group = w.shape[1] if transposed else w.shape[0] // groups
+    # A depthwise conv (one input channel per group) runs on vector units, memory-bound.
+    depthwise = groups > 1 and (w.shape[0] if transposed else w.shape[1]) == 1
+    return Work("matmul", _conv_flops(x, w, op.out_tensor, transposed), saved=op.floating_bytes(),
+                 family="dwconv" if depthwise else "conv", min_dim=int(min(per_group, w.shape[1])))
+
+
+def _groups(op: Op) -> int:
+    if op.module is not None:
+        return int(op.module.groups)
+    index = {"convolution": 8, "_convolution": 8}.get(op.name, 6)
+    return int(op.arg(index, "groups", default=1) or 1)
+
+
+def _einsum_sizes(equation: str, operands: list[torch.Tensor]) -> dict[Any, int]:
+    sizes: dict[Any, int] = {}
+    terms = equation.replace(" ", "").split("->")[0].split(",")
+    for term, t in zip(terms, operands):
+        before, _, after = term.partition("...")
+        n_ellipsis = t.dim() - len(before) - len(after)
+        # Ellipsis dims are keyed from the right so that broadcast dims line up.
+        keys = [*before, *(("...", n_ellipsis - i) for i in range(n_ellipsis)), *after]
+        for key, size in zip(keys, t.shape):
+            sizes[key] = max(sizes.get(key, 1), int(size))
+    return sizes
+
+
+def einsum(op: Op) -> Work:
+    equation = op.node.args[0]
+    operands = [value_of(a) for a in pytree.tree_leaves(op.node.args[1:]) if isinstance(a, fx.Node)]
+    if len(operands) != 2:
+        return DEFAULT(op)
+    # Two operands: one multiply-add per combination of all indices (kept and contracted).
+    macs = math.prod(_einsum_sizes(equation, operands).values())
+    return Work("matmul", 2.0 * macs, saved=op.floating_bytes(), family="gemm")
+
+
+def sdpa(op: Op) -> Work:
+    q, k, v = op.arg(0, "query"), op.arg(1, "key"), op.arg(2, "value")
+    out = op.out_tensor
+    bh = math.prod(out.shape[:-2])  # batch x query heads (GQA keys broadcast to them)
+    scores = bh * q.shape[-2] * k.shape[-2]
+    e, ev = q.shape[-1], v.shape[-1]
+    saved = op.floating_bytes() + tensor_bytes(out) + bh * q.shape[-2] * STAT_BYTES
+    return Work("attention", 2.0 * scores * (e + ev), 2.0 * scores * (3 * e + 2 * ev), saved)
+
+
+def _mha_work(op: Op, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              embed: int, heads: int, batch_first: bool, need_weights: bool) -> Work:
+    n = 1 if q.dim() == 2 else q.shape[0 if batch_first else 1]
+    tq, tk = q.numel() // q.shape[-1], k.numel() // k.shape[-1]  # tokens: n*L and n*S
+    proj = 2.0 * embed * (tq * q.shape[-1] + tk * k.shape[-1] + tk * v.shape[-1] + tq * embed)
+    attn = 4.0 * tq * (tk // n) * embed  # QK^T and PV over all heads
+    item = q.element_size()
+    saved = op.floating_bytes() + item * embed * (2 * tq + 2 * tk)
+    saved += heads * tq * (tk // n) * item if need_weights else heads * tq * STAT_BYTES
+    return Work("attention", proj + attn, 2.0 * (proj + attn), saved)
+
+
+def mha_module(op: Op) -> Work:
+    m = op.module
+    need = bool(op.arg(4, "need_weights", default=True))
+    return _mha_work(op, op.arg(0, "query"), op.arg(1, "key"), op.arg(2, "value"),
+                     m.embed_dim, m.num_heads, m.batch_first, need)
+
+
+def native_mha(op: Op) -> Work:
+    need = bool(op.arg(10, "need_weights", default=True))
+    return _mha_work(op, op.arg(0, "query"), op.arg(1, "key"), op.arg(2, "value"),
+                     op.arg(3, "embed_dim"), op.arg(4, "num_head"), True, need)
+
+
+_ROW_NORMS = ("layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm")
+
+
+def _norm_groups(op: Op, x: torch.Tensor) -> int:
+    """How many groups the norm keeps statistics for (rows, N * groups, channels)."""
+    m, name = op.module, op.name
+    if isinstance(m, (nn.LayerNorm, nn.RMSNorm)) or name in _ROW_NORMS:
+        shape = m.normalized_shape if m is not None else op.arg(1, "normalized_shape")
+        return x.numel() // math.prod(shape)
+    if isinstance(m, nn.GroupNorm) or name in ("group_norm", "native_group_norm"):
+        groups = m.num_groups if m is not None else op.arg(6 if name.startswith("native") else 1)
+        return (x.shape[0] if x.dim() > 1 else 1) * groups
+    if isinstance(m, nn.modules.instancenorm._InstanceNorm) or name == "instance_norm":
+        return x.shape[0] * x.shape[1] if x.dim() > 2 else x.shape[0]
+    return x.shape[1] if x.dim() > 1 else x.shape[0]  # batch norm: one per channel
+
+
+def norm(op: Op) -> Work:
+    x = op.arg(0, "input")
+    stats = 1 if isinstance(op.module, nn.RMSNorm) or "rms" in op.name else 2
+    saved = tensor_bytes(x) + stats * STAT_BYTES * _norm_groups(op, x)
+    batch = isinstance(op.module, nn.modules.batchnorm._BatchNorm) or "batch_norm" in op.name
+    # A batch norm's parallelism is its channels (one reduction over N x H x W each): 64
+    # channels over large maps leave most of a GPU idle, whatever the bytes.
+    return Work("norm", 5.0 * op.out_tensor.numel(), saved=saved, family="batch" if batch else "row",
+                 min_dim=_norm_groups(op, x) if batch else 0)
+
+
+def dropout(op: Op) -> Work:
+    # A module's cost is its training cost; a function's train flag was fixed when traced.
+    if op.module is not None:
+        p, train = op.module.p, True
+    else:
+        p = op.arg(1, "p", default=0.5)
+        train = op.arg(2, "train", "training", default=True)
+    if p == 0 or train is False:
+        return Work("view")  # ATen returns its input: no kernel, no mask
+    n = op.out_tensor.numel()
+    return Work("elementwise", 2.0 * n, saved=n)  # bool mask, 1 byte per element
+
+
+def embedding(op: Op) -> Work:
+    out = op.out_tensor
+    indices = [t for t in op.activations + op.weights if not t.is_floating_point()]
+    index_bytes = sum(tensor_bytes(t) for t in indices)
+    # Reads the gathered rows, not the whole table; backward scatter-adds one row per token.
+    return Work("copy", 0.0, float(out.numel()), index_bytes, index_bytes + tensor_bytes(out))
+
+
+def pool(max_pool: bool) -> Rule:
+    def rule(op: Op) -> Work:
+        x = op.arg(0, "input")
+        saved = tensor_bytes(x) + (8 * op.out_tensor.numel() if max_pool else 0)
+        return Work("reduction", x.numel(), saved=saved, family="pool")
+
+    return rule
+
+
+DEFAULT: Rule = elementwise(1.0, "inputs")
