@@ -4,7 +4,7 @@
 The plan is made for one micro-batch of the example's size. A step on micro-batches of
 another size (the last incomplete batch of an epoch, an evaluation batch, an uneven split)
 needs this rank's stages and every boundary's shape at that size; see [Note: other batch
-sizes] in runtime/driver.py for how the driver uses them. They come from the graph again:
+sizes] in runtime/batch_shapes.py for how the driver uses them. They come from the graph again:
 
 * fx and sequence routes: the graph is shape-generic (sizes are read from tensors), so a
   copy of it is run on meta tensors of the new size (:func:`repropagate`). The sizes a stage
