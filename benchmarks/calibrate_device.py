@@ -32,7 +32,6 @@ import json
 import math
 import os
 import platform
-import statistics
 import sys
 import time
 from collections import defaultdict

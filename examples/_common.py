@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import time
 from dataclasses import dataclass
@@ -102,6 +103,17 @@ def init_distributed() -> None:
         dist.init_process_group("nccl", device_id=device)
     else:
         dist.init_process_group("gloo")
+
+
+def shutdown_distributed() -> None:
+    """Leave together: every rank reaches here, then the process groups go.
+
+    Call it after the last reference to the parallel model and its optimizer is gone: they hold
+    process groups (a ZeroRedundancyOptimizer its own) whose threads must stop before the groups do.
+    """
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 # ------------------------------------------------------------------------------------------- data

@@ -21,11 +21,11 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.distributed as dist
 from transformers import ViTConfig, ViTForImageClassification
 
 import autopipe
-from _common import add_training_args, fit, init_distributed, load_data, parse_training_args
+from _common import (add_training_args, fit, init_distributed, load_data, parse_training_args,
+                     shutdown_distributed)
 from _recipes import make_criterion, make_optimizer, parallel_options
 
 
@@ -65,8 +65,8 @@ def main() -> None:
         microbatches=args.microbatches, loss_fn=loss_fn, **parallel_options(args),
     )
     fit(pm, make_optimizer(pm, args), data, args, logits=lambda out: out.logits)
-    # Only now: a ZeroRedundancyOptimizer (--zero) holds its process group until it is freed.
-    dist.destroy_process_group()
+    del pm  # its process groups (and --zero's optimizer's) go before the default group
+    shutdown_distributed()
 
 
 if __name__ == "__main__":

@@ -25,11 +25,11 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.distributed as dist
 import torchvision
 
 import autopipe
-from _common import add_training_args, fit, init_distributed, load_data, parse_training_args
+from _common import (add_training_args, fit, init_distributed, load_data, parse_training_args,
+                     shutdown_distributed)
 from _recipes import make_criterion, make_optimizer, parallel_options
 
 # The forward of torchvision's ResNet as a chain: each item takes the previous item's output.
@@ -77,8 +77,8 @@ def main() -> None:
         **parallel_options(args),
     )
     fit(pm, make_optimizer(pm, args), data, args)
-    # Only now: a ZeroRedundancyOptimizer (--zero) holds its process group until it is freed.
-    dist.destroy_process_group()
+    del pm  # its process groups (and --zero's optimizer's) go before the default group
+    shutdown_distributed()
 
 
 if __name__ == "__main__":

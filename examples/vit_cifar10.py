@@ -48,10 +48,10 @@ import argparse
 
 import timm
 import torch
-import torch.distributed as dist
 
 import autopipe
-from _common import add_training_args, fit, init_distributed, load_data, parse_training_args
+from _common import (add_training_args, fit, init_distributed, load_data, parse_training_args,
+                     shutdown_distributed)
 from _recipes import make_criterion, make_optimizer, parallel_options
 
 LAYOUTS = {"data": (1, 1), "pipeline": (2, 1), "hybrid": (2, 2)}  # --parallel -> (pp, tp)
@@ -97,8 +97,8 @@ def main() -> None:
         microbatches=args.microbatches, loss_fn=make_criterion(args), **parallel_options(args),
     )
     fit(pm, make_optimizer(pm, args), data, args)
-    # Only now: a ZeroRedundancyOptimizer (--zero) holds its process group until it is freed.
-    dist.destroy_process_group()
+    del pm  # its process groups (and --zero's optimizer's) go before the default group
+    shutdown_distributed()
 
 
 if __name__ == "__main__":
