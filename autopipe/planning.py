@@ -1,7 +1,7 @@
-"""``plan_model()``: from a model (or a model spec) to a :class:`PartitionPlan`, without processes.
-
-The one path the CLI and the python API share: validate the degrees, trace one micro-batch on
-the meta device, price the nodes (sharded when tp > 1), cut into stages.
+"""The front door's plan: :func:`plan_pipeline` traces one micro-batch, shards it as tp rank 0
+(collectives standing in) and cuts it into stages; ``parallelize`` and :func:`plan_model` (the
+CLI's ``report``, no processes needed) both call it, so they make the same plan for the same
+arguments. See docs/architecture.md.
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from .shard import ShardPlan, apply_sharding, plan_sharding
 from .stages import plan_stages
 from .tracer import TracedModel, trace
 
-__all__ = ["plan_model", "plan_pipeline", "PlannedModel", "planning_graph", "microbatch_size", "default_schedule",
-           "default_profile"]
+__all__ = ["plan_model", "plan_pipeline", "PlannedModel", "planning_graph", "planned_shard", "microbatch_size",
+           "default_schedule", "default_profile"]
 
 
 def microbatch_size(batch: int, microbatches: int) -> int:
@@ -102,10 +102,7 @@ def plan_pipeline(
     if mem_cap is not None and not mem_cap > 0:
         raise ConfigError(f"mem_cap must be a positive number of bytes, got {mem_cap!r}")
     traced = trace(model, tuple(example_inputs), route=route, leaf_modules=leaf_modules, exec_sequence=exec_sequence)
-    shard_plan, graph = None, traced
-    if tp > 1:
-        shard_plan = plan_sharding(traced, tp, rules=shard_rules, sequence_parallel=sequence_parallel)
-        graph = apply_sharding(traced, shard_plan, 0)  # rank 0's graph; collectives stand in (no group)
+    shard_plan, graph = planned_shard(traced, tp, shard_rules, sequence_parallel)
     if measured is not None:
         mode = mode or measured.mode
         if activation_dtype is None and measured.dtype != "float32":
@@ -153,9 +150,17 @@ def planning_graph(
     inputs = example_batch(model, batch=batch, microbatches=microbatches, image_size=image_size,
                            example_inputs=example_inputs)
     traced = trace(model, inputs, route=route, leaf_modules=leaf_modules)
-    if tp > 1:
-        traced = apply_sharding(traced, plan_sharding(traced, tp, sequence_parallel=sequence_parallel), 0)
-    return traced, name
+    return planned_shard(traced, tp, None, sequence_parallel)[1], name
+
+
+def planned_shard(traced: TracedModel, tp: int, shard_rules: Sequence[Any] | None,
+                  sequence_parallel: bool) -> tuple[ShardPlan | None, TracedModel]:
+    """The shard plan (None for tp=1) and the graph plans are made on: tp rank 0's, its
+    collectives standing in (no group), so that the plan is the same on every rank."""
+    if not tp > 1:
+        return None, traced
+    shard_plan = plan_sharding(traced, tp, rules=shard_rules, sequence_parallel=sequence_parallel)
+    return shard_plan, apply_sharding(traced, shard_plan, 0)
 
 
 def _loaded(model: nn.Module | str, model_name: str | None, image_size: int | None) -> tuple[nn.Module, str]:
