@@ -6,6 +6,7 @@ these tests do not depend on autopipe.tracer. FLOPs are checked against FlopCoun
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import inspect
 import operator
@@ -24,6 +25,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
 from autopipe.errors import ConfigError
+from autopipe.partition.calibration import BYTE_BOUNDS
 from autopipe.partition.cost import (
     MATMUL_KINDS,
     NodeCost,
@@ -477,6 +479,19 @@ def test_node_time_monotone(name, kind, flops, nbytes, more_flops, more_bytes):
         assert t >= 0
         assert p.node_time(_cost(kind, flops + more_flops, nbytes), backward=backward) >= t
         assert p.node_time(_cost(kind, flops, nbytes + more_bytes), backward=backward) >= t
+
+
+@pytest.mark.parametrize("kind", ["elementwise", "norm", "reduction"])
+def test_calibrated_time_grows_across_byte_buckets(kind):
+    """A calibration's classes by bytes change factor at each bucket's edge: one byte more
+    must still not cost less ([Note: monotone in bytes])."""
+    p = get_profile("h100")
+    assert p.calibration is not None
+    for edge, flops, backward in itertools.product(BYTE_BOUNDS, (1e3, 1e10), (False, True)):
+        scale = 2 if backward else 1  # _cost's backward moves twice the bytes
+        under = p.node_time(_cost(kind, flops, edge / scale), backward=backward)
+        over = p.node_time(_cost(kind, flops, edge / scale + 1), backward=backward)
+        assert over >= under, (edge, flops, backward)
 
 
 def test_node_time_roofline_and_free_nodes():

@@ -74,8 +74,9 @@ def test_profile_tiles_the_graph_and_prices_every_node(tmp_path):
     assert all(measured.node_seconds[n] > 0 for n in linears)
     assert measured.fingerprint == fingerprint(traced.gm) and measured.device == "cpu"
     assert set(measured.node_detail) >= set(linears)
-    # A plan priced by it carries the source and the profile's times.
-    plan = plan_stages(traced, 2, device="cpu", measured=measured)
+    # A plan priced by it carries the source and the profile's times (no MLP pieces: a piece's
+    # new nodes are priced by the model, not the profile).
+    plan = plan_stages(traced, 2, device="cpu", measured=measured, split_mlps=False)
     assert plan.cost_source["source"] == "measured" and plan.cost_source["device"] == "cpu"
     assert sum(s.compute_time for s in plan.stages) == pytest.approx(
         sum(measured.node_seconds.values()) + 2 * measured.stage_overhead)

@@ -28,6 +28,14 @@ what CUDA graph replays still pay), the host time each launched node costs in ea
 each mode (its first launch, autograd's start). In eager mode a node takes the longer of its
 GPU time and its host time, since the host runs ahead of the device where it can.
 
+[Note: monotone in bytes]
+A class by bytes has its own factor in each bucket, and small kernels run further below the
+bandwidth than large ones, so a kernel just over a bucket's edge would be priced below one
+just under it. More work must never cost less (the balancer and the search rely on it), so a
+kernel of bucket b costs the most of f_j x roofline(bytes clipped to bucket j's top) over the
+buckets j <= b: the price within a bucket starts where the bucket below ended and grows with
+the bytes. The fit (kernel_features) still sees each kernel's own bucket and roofline.
+
 The factors are fitted by ``benchmarks/calibrate_device.py`` from the measured forward and
 backward kernel times of every node of real models (non-negative least squares on relative
 error; see that script), and kept as data beside this module (``calibration/<device>.json``)
@@ -44,12 +52,18 @@ from typing import Any
 from autopipe.errors import ConfigError
 from autopipe.partition.cost import FREE_KINDS, MATMUL_KINDS, NodeCost
 
-__all__ = ["Calibration", "class_of", "load_calibration", "CALIBRATION_DIR", "DIM_BOUNDS", "BYTE_BOUNDS"]
+__all__ = ["Calibration", "class_of", "load_calibration", "CALIBRATION_DIR", "DIM_BOUNDS", "BYTE_BOUNDS",
+           "BYTE_LABELS", "BYTE_LIMITS"]
 
 SCHEMA_VERSION = 1
 CALIBRATION_DIR = os.path.join(os.path.dirname(__file__), "calibration")
 DIM_BOUNDS = (4, 16, 32, 64, 128, 256, 512, 1024)
 BYTE_BOUNDS = tuple(2**18 * 4**i for i in range(5))  # 256 KiB, 1 MiB, 4 MiB, 16 MiB, 64 MiB
+
+
+BYTE_LABELS = tuple(f"{b >> 20}MiB" if b >= 2**20 else f"{b >> 10}KiB" for b in BYTE_BOUNDS) \
+    + (f">{BYTE_BOUNDS[-1] >> 20}MiB",)
+BYTE_LIMITS = BYTE_BOUNDS + (math.inf,)  # the most bytes of each bucket of BYTE_LABELS
 
 
 def _bucket(value: float, bounds: tuple[int, ...], label=str) -> str:
@@ -60,7 +74,7 @@ def _bucket(value: float, bounds: tuple[int, ...], label=str) -> str:
 
 
 def _bytes_label(b: int) -> str:
-    return f"{b >> 20}MiB" if b >= 2**20 else f"{b >> 10}KiB"
+    return BYTE_LABELS[BYTE_BOUNDS.index(b)]
 
 
 def class_of(cost: NodeCost, *, backward: bool = False) -> str:
@@ -90,11 +104,23 @@ class Calibration:
     fit: dict[str, Any] = field(default_factory=dict)  # how it was made and its error
     schema: int = SCHEMA_VERSION
 
-    def gpu_time(self, roofline: float, cost: NodeCost, *, backward: bool) -> float:
-        """GPU seconds of one launched kernel whose plain roofline time is ``roofline``."""
-        factor = self.factors.get(class_of(cost, backward=backward))
-        scale = factor[int(backward)] if factor is not None else 1.0
-        return roofline * scale + self.launch[int(backward)]
+    def gpu_time(self, cost: NodeCost, *, compute: float, bandwidth: float, backward: bool) -> float:
+        """GPU seconds of one launched kernel: ``compute`` seconds of arithmetic at the plain
+        peak, its bytes at ``bandwidth``. See [Note: monotone in bytes]."""
+        nbytes = cost.bwd_bytes if backward else cost.fwd_bytes
+        name = class_of(cost, backward=backward)
+        prefix, _, bucket = name.rpartition("/")
+        if not bucket.endswith("iB"):  # a class by shape: one factor
+            return max(compute, nbytes / bandwidth) * self.factor(name, backward) + self.launch[int(backward)]
+        top = BYTE_LABELS.index(bucket)
+        seconds = max(self.factor(f"{prefix}/{BYTE_LABELS[j]}", backward)
+                      * max(compute, min(nbytes, BYTE_LIMITS[j]) / bandwidth) for j in range(top + 1))
+        return seconds + self.launch[int(backward)]
+
+    def factor(self, name: str, backward: bool) -> float:
+        """The fitted multiplier of class ``name`` (1 for a class the fit never saw)."""
+        pair = self.factors.get(name)
+        return pair[int(backward)] if pair is not None else 1.0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True)

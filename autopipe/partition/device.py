@@ -68,10 +68,9 @@ class DeviceProfile:
         if c.kind in FREE_KINDS or (flops == 0 and nbytes == 0):
             return 0.0
         peak = self.matmul_flops if c.kind in MATMUL_KINDS else self.vector_flops
-        roofline = max(flops / peak, nbytes / self.mem_bandwidth)
         if self.calibration is None:
-            return roofline + self.op_overhead
-        gpu = self.calibration.gpu_time(roofline, c, backward=backward)
+            return max(flops / peak, nbytes / self.mem_bandwidth) + self.op_overhead
+        gpu = self.calibration.gpu_time(c, compute=flops / peak, bandwidth=self.mem_bandwidth, backward=backward)
         host = self.calibration.host[int(backward)]
         if self.mode.startswith("compiled") and c.kind not in MATMUL_KINDS:
             # See [Note: compiled pricing]: the memory-bound kernels between GEMMs fuse.

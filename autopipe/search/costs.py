@@ -16,7 +16,7 @@ from typing import Mapping
 import numpy as np
 
 from autopipe.graph import owning_module
-from autopipe.partition.calibration import BYTE_BOUNDS, Calibration, class_of, launched
+from autopipe.partition.calibration import BYTE_BOUNDS, BYTE_LABELS, BYTE_LIMITS, Calibration, class_of, launched
 from autopipe.partition.cost import MATMUL_KINDS, NodeCost, graph_costs, training_state_bytes
 from autopipe.partition.device import COMPILED_FUSION, DeviceProfile
 from autopipe.partition.measured import MeasuredCosts
@@ -101,12 +101,11 @@ class GraphCosts:
             flops = k.flops[d] * ratio
             nbytes = k.fixed_bytes[d] + k.act_bytes[d] * ratio
             peak = np.where(k.matmul, profile.matmul_flops, profile.vector_flops)
-            roofline = np.maximum(flops / peak, nbytes / profile.mem_bandwidth)
             cal = profile.calibration
             if cal is None:
-                seconds = roofline + profile.op_overhead
+                seconds = np.maximum(flops / peak, nbytes / profile.mem_bandwidth) + profile.op_overhead
             else:
-                seconds = roofline * self._factors(cal, nbytes, d) + cal.launch[d]
+                seconds = self._gpu_seconds(cal, flops / peak, nbytes, profile.mem_bandwidth, d) + cal.launch[d]
                 host = np.full(len(seconds), cal.host[d])
                 if profile.mode.startswith("compiled"):
                     fused = np.where(k.matmul, 1.0, COMPILED_FUSION)
@@ -121,17 +120,22 @@ class GraphCosts:
             fwd, bwd = self._from_measured(measured, size, profile, fwd, bwd)
         return fwd, bwd
 
-    def _factors(self, cal: Calibration, nbytes: np.ndarray, direction: int) -> np.ndarray:
-        """Each kernel's calibration factor; classes by bytes take their bucket at these bytes."""
+    def _gpu_seconds(self, cal: Calibration, compute: np.ndarray, nbytes: np.ndarray, bandwidth: float,
+                     direction: int) -> np.ndarray:
+        """Calibration.gpu_time less the launch, for every kernel at once: a class by shape
+        scales the roofline by its factor; a class by bytes takes the most over its bucket and
+        the ones below (see [Note: monotone in bytes])."""
         k = self._kernels
         bucket = np.searchsorted(np.asarray(BYTE_BOUNDS, dtype=float), nbytes, side="left")
-        factors = np.ones(len(nbytes))
+        seconds = np.zeros(len(nbytes))
         for i, (fixed, prefix) in enumerate(zip(k.fixed_class, k.prefix)):
-            name = fixed if fixed else f"{prefix}/{_BYTE_LABELS[bucket[i]]}"
-            pair = cal.factors.get(name)
-            if pair is not None:
-                factors[i] = pair[direction]
-        return factors
+            if fixed:
+                seconds[i] = max(compute[i], nbytes[i] / bandwidth) * cal.factor(fixed, bool(direction))
+                continue
+            seconds[i] = max(cal.factor(f"{prefix}/{BYTE_LABELS[j]}", bool(direction))
+                             * max(compute[i], min(nbytes[i], BYTE_LIMITS[j]) / bandwidth)
+                             for j in range(int(bucket[i]) + 1))
+        return seconds
 
     def measured_for(self, size: int) -> MeasuredCosts | None:
         """The profile of ``size`` samples, else the one of the nearest size (None without any)."""
@@ -185,10 +189,6 @@ def _sharded(costs: Mapping[str, NodeCost], plan: ShardPlan) -> dict[str, NodeCo
                                 out_bytes=out[name].out_bytes if shard.sharding == "row" else c.out_bytes)
         out[name] = c
     return out
-
-
-_BYTE_LABELS = [lab for lab in (*(f"{b >> 20}MiB" if b >= 2**20 else f"{b >> 10}KiB" for b in BYTE_BOUNDS),
-                                f">{BYTE_BOUNDS[-1] >> 20}MiB")]
 
 
 @dataclasses.dataclass
