@@ -5,7 +5,8 @@
 Two gloo processes of one thread each (these machines have 2 cores). For each model (a small
 timm ViT and a small torchvision ResNet, 32x32 images):
 1. the links are measured (``measure_links``: point to point and all-reduce over gloo), the
-   driver's host time per compute is measured on a one-layer model, and the graph is profiled
+   driver's host time per compute is measured on a one-layer model, the optimizer's per
+   parameter tensor on copies of the model's parameters, and the graph is profiled
    on the CPU at every micro-batch size a layout uses (``profile_graph``, both processes
    timing a share at once, as they train);
 2. the search prices every layout it enumerates for 2 processes: pp=2, tp=2, dp=2 with their
@@ -19,6 +20,7 @@ and the failures; exits 1 on any.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -76,6 +78,25 @@ def driver_overhead() -> float:
     return seconds / 32  # 16 forwards and 16 backwards
 
 
+def tensor_overhead(model: nn.Module, bandwidth: float) -> float:
+    """Host seconds per parameter tensor of an AdamW step, beyond its bytes at ``bandwidth``:
+    AdamW stepped over copies of ``model``'s parameters (median of 20)."""
+    from autopipe.search.predict import ADAMW_BYTES_PER_PARAM
+
+    params = [nn.Parameter(p.detach().clone()) for p in model.parameters()]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    times = []
+    for _ in range(25):
+        begin = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - begin)
+    seconds = statistics.median(times[5:])
+    moved = sum(p.numel() for p in params) * ADAMW_BYTES_PER_PARAM / bandwidth
+    return max(seconds - moved, 0.0) / len(params)
+
+
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -100,9 +121,11 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any)
         for size in sizes:
             traced = trace(model, (torch.randn(size, 3, 32, 32),))
             profiles[size] = profile_graph(traced, RunSetup("cpu", reps=5, warmup=2), segments=8)
+        per_tensor = tensor_overhead(model, cpu.mem_bandwidth)
         result = plan_layout(model, devices=world, batch=args.batch, device=cpu, links=links, measured=profiles,
                              example_inputs=(torch.randn(sizes[0], 3, 32, 32),), mixed_precision=None,
-                             modes=("eager",), action_overhead=overhead, exact=10**6, timeline=False)
+                             modes=("eager",), action_overhead=overhead,
+                             tensor_overhead=per_tensor, exact=10**6, timeline=False)
         g = torch.Generator().manual_seed(1)
         x, y = torch.randn(args.batch, 3, 32, 32, generator=g), torch.randint(0, 10, (args.batch,), generator=g)
         for p in result.ranked:
@@ -122,7 +145,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any)
             del pm
         if rank == 0:
             rows.append({"model": name, "chosen": str(result.best.layout), "search_seconds": result.seconds,
-                         "links": links.source, "driver_overhead": overhead})
+                         "links": links.source, "driver_overhead": overhead,
+                         "tensor_overhead": per_tensor, "link_model": dataclasses.asdict(links)})
     if rank == 0:
         out.put(rows)
     dist.destroy_process_group()

@@ -70,6 +70,7 @@ class GraphCosts:
         self.cut_bytes_ref = np.asarray(dag.cut_bytes[: len(self.order) - 1], dtype=float)  # traced dtype
         self.param_bytes = np.array([c.param_bytes for c in self.costs], dtype=float)
         self.param_count = np.array([c.param_count for c in self.costs], dtype=float)
+        self.param_tensors = np.array([_parameter_tensors(traced, n) for n in nodes], dtype=float)
         self.saved_ref = np.array([c.saved_bytes for c in self.costs], dtype=float)
         self.state_bytes = np.array([training_state_bytes(c.param_bytes) if c.param_count else 0
                                      for c in self.costs], dtype=float)
@@ -174,6 +175,16 @@ class GraphCosts:
 # adds). The plan's collectives move their payload (a ring all-reduce 2 (tp-1)/tp of it, a
 # gather or scatter (tp-1)/tp) after the node they follow. parallelize() plans the rewritten
 # graph itself; the search only needs to rank.
+
+
+def _parameter_tensors(traced: TracedModel, node) -> int:
+    """How many parameter tensors ``node`` owns (an optimizer steps each on its own)."""
+    if node.op == "call_module":
+        return sum(1 for _ in traced.gm.get_submodule(node.target).parameters())
+    if node.op == "get_attr":
+        owner, _, name = node.target.rpartition(".")
+        return int(name in dict(traced.gm.get_submodule(owner).named_parameters(recurse=False)))
+    return 0
 
 
 def _sharded(costs: Mapping[str, NodeCost], plan: ShardPlan) -> dict[str, NodeCost]:

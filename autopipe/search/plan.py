@@ -16,10 +16,15 @@ from .links import LinkModel
 from .predict import Pricing
 from .search import SearchResult, search_layouts
 
-__all__ = ["plan_layout", "DEFAULT_MODES"]
+__all__ = ["plan_layout", "DEFAULT_MODES", "HOST_COSTS"]
 
 # Execution modes weighed by default: on GPUs every one; on CPU stages run eagerly.
 DEFAULT_MODES = {"cuda": ("eager", "graphs", "compiled", "compiled+graphs"), "cpu": ("eager",)}
+# Host seconds (per compute the driver runs, per parameter tensor the optimizer steps) when not
+# measured: on CUDA the optimizer's multi-tensor kernels make the second small; on CPU torch's
+# AdamW takes its single-tensor path, about ten small kernels per tensor (~35 us measured on a
+# 2-core x86 box, one thread).
+HOST_COSTS = {"cuda": (10e-6, 2e-6), "cpu": (200e-6, 35e-6)}
 
 
 def plan_layout(model: nn.Module | str, *, devices: int, batch: int, device: str | DeviceProfile = "h100",
@@ -27,12 +32,15 @@ def plan_layout(model: nn.Module | str, *, devices: int, batch: int, device: str
                 measured: Mapping[int, MeasuredCosts] | MeasuredCosts | None = None,
                 example_inputs: Sequence[torch.Tensor] | None = None, image_size: int | None = None,
                 mixed_precision: str | None = "bf16", modes: tuple[str, ...] | None = None,
-                action_overhead: float | None = None, **options) -> SearchResult:
+                action_overhead: float | None = None, tensor_overhead: float | None = None,
+                **options) -> SearchResult:
     """Rank the layouts of ``model`` on ``devices`` devices of kind ``device`` for a global
     ``batch``. The model is traced once, at the micro-batch of ``example_inputs`` or at
     ``min(8, batch)`` images; ``measured`` (profiles by micro-batch size, or one profile) prices
     the nodes where given. ``memory`` is the budget per device in bytes. ``options`` go to
-    :func:`search_layouts`."""
+    :func:`search_layouts`. ``action_overhead`` and ``tensor_overhead`` are the host seconds
+    the driver adds per compute and the optimizer per parameter tensor (defaults by device:
+    see HOST_COSTS)."""
 
     profile = get_profile(device)
     if isinstance(measured, MeasuredCosts):
@@ -43,11 +51,11 @@ def plan_layout(model: nn.Module | str, *, devices: int, batch: int, device: str
     if mixed_precision not in (None, "fp32", "bf16", "fp16"):
         raise ConfigError(f"mixed_precision={mixed_precision!r}; use None, 'bf16' or 'fp16'")
     low = mixed_precision in ("bf16", "fp16")
+    kind = "cpu" if profile.name == "cpu" else "cuda"
     floating = next((d for d in traced.input_dtypes if d.is_floating_point), torch.float32)
     pricing = Pricing(profile, links or LinkModel.from_profile(profile), batch,
                       activation_bytes=2 / floating.itemsize if low else 1.0, weight_cast_bytes=2.0 if low else 0.0,
-                      action_overhead=(10e-6 if profile.name != "cpu" else 200e-6) if action_overhead is None
-                      else action_overhead)
-    kind = "cpu" if profile.name == "cpu" else "cuda"
+                      action_overhead=HOST_COSTS[kind][0] if action_overhead is None else action_overhead,
+                      tensor_overhead=HOST_COSTS[kind][1] if tensor_overhead is None else tensor_overhead)
     return search_layouts(traced, devices=devices, batch=batch, pricing=pricing, modes=modes or DEFAULT_MODES[kind],
                           memory=memory, measured=measured, **options)

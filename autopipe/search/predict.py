@@ -12,8 +12,9 @@ For one layout (search/layouts.py) on one graph (search/costs.py):
    the transfers between them (search/replay.py): the pipeline's makespan and bubble;
 4. the step adds the data-parallel all-reduce of the gradients (after the last backward, as
    the runtime does it), the global gradient norm (a pass and a scalar all-reduce), the
-   optimizer's pass over its state (memory-bound, AdamW's) and, with mixed precision, the
-   weights' cast;
+   optimizer's pass over its state (memory-bound, AdamW's, plus a host cost per parameter
+   tensor: torch's AdamW steps CPU tensors one at a time, about ten kernels each) and, with
+   mixed precision, the weights' cast;
 5. memory per device: parameters, gradients and optimizer state of its stages (plus bf16
    weight copies under mixed precision) and the saved activations of the micro-batches it
    holds at once (the schedule's in-flight bound; with checkpointing only each stage's input,
@@ -38,6 +39,7 @@ from .replay import replay
 __all__ = ["Prediction", "predict", "Pricing", "stage_overhead"]
 
 FRAGMENTATION = 1.10
+NORM_OPS_PER_TENSOR = 10  # a tensor's norm is one kernel; its AdamW update about ten (single-tensor path)
 ADAMW_BYTES_PER_PARAM = 32.0  # read param, grad, 2 moments; write param, 2 moments (fp32), + grad zeroing
 
 
@@ -51,6 +53,7 @@ class Pricing:
     activation_bytes: float = 1.0  # bytes of a crossing floating value over its traced bytes (0.5: bf16 of fp32)
     weight_cast_bytes: float = 0.0  # bytes per parameter of the low-precision weight copies (2 under bf16)
     action_overhead: float = 0.0  # host seconds per compute the driver adds
+    tensor_overhead: float = 0.0  # host seconds per parameter tensor of the optimizer's step and the norm
 
 
 @dataclass
@@ -131,12 +134,15 @@ def predict(graph: GraphCosts, layout: Layout, pricing: Pricing, *, timeline: bo
 
     # Per pipeline rank: its stages' parameters (already 1/tp where sharded).
     params = [0.0] * layout.pp
+    tensors = [0.0] * layout.pp
     state = [0.0] * layout.pp
+    t_prefix = np.concatenate(([0.0], np.cumsum(graph.param_tensors)))
     p_prefix = np.concatenate(([0.0], np.cumsum(graph.param_bytes)))
     n_prefix = np.concatenate(([0.0], np.cumsum(graph.param_count)))
     s_prefix = np.concatenate(([0.0], np.cumsum(graph.state_bytes)))
     for s, (i, j) in enumerate(zip(starts, ends)):
         params[s % layout.pp] += float(n_prefix[j] - n_prefix[i])
+        tensors[s % layout.pp] += float(t_prefix[j] - t_prefix[i])
         state[s % layout.pp] += float(s_prefix[j] - s_prefix[i])
     grad_bytes = max(float(p_prefix[j] - p_prefix[i]) for i, j in zip(starts, ends)) if layout.chunks == 1 else \
         max(sum(float(p_prefix[e] - p_prefix[b]) for k, (b, e) in enumerate(zip(starts, ends)) if k % layout.pp == r)
@@ -144,11 +150,13 @@ def predict(graph: GraphCosts, layout: Layout, pricing: Pricing, *, timeline: bo
     all_reduce = link.all_reduce(grad_bytes, layout.dp)
     most = max(params)
     bandwidth = pricing.profile.mem_bandwidth
-    optimizer = most * ADAMW_BYTES_PER_PARAM / bandwidth
+    per_tensor = max(tensors) * pricing.tensor_overhead
+    optimizer = most * ADAMW_BYTES_PER_PARAM / bandwidth + per_tensor
     casts = most * (4 + pricing.weight_cast_bytes) / bandwidth if pricing.weight_cast_bytes else 0.0
     # The global gradient norm step() takes (non-finite steps are skipped): a pass over the
     # gradients and a scalar all-reduce over the mesh.
-    norm = most * 4 / bandwidth + (link.collective_latency if layout.pp * layout.tp * layout.dp > 1 else 0.0)
+    norm = most * 4 / bandwidth + per_tensor / NORM_OPS_PER_TENSOR \
+        + (link.collective_latency if layout.pp * layout.tp * layout.dp > 1 else 0.0)
     step = run.makespan + all_reduce + optimizer + casts + norm
     memory = _memory(graph, layout, starts, ends, state, params, size, pricing)
     return Prediction(layout, step, pricing.batch / step, memory, run.bubble,
