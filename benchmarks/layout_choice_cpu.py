@@ -24,6 +24,7 @@ import dataclasses
 import datetime
 import json
 import os
+import queue
 import statistics
 import sys
 import time
@@ -92,7 +93,9 @@ def tensor_overhead(model: nn.Module, bandwidth: float) -> float:
         begin = time.perf_counter()
         opt.step()
         times.append(time.perf_counter() - begin)
-    seconds = statistics.median(times[5:])
+    seconds = torch.tensor([statistics.median(times[5:])])
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # every rank prices alike, so ranks the layouts alike
+    seconds = float(seconds)
     moved = sum(p.numel() for p in params) * ADAMW_BYTES_PER_PARAM / bandwidth
     return max(seconds - moved, 0.0) / len(params)
 
@@ -106,6 +109,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any)
     from autopipe.partition.device import measure_profile
     from autopipe.search import layouts as layout_space, measure_links, plan_layout
     from autopipe.search.layouts import Layout
+    from autopipe.search.search import min_microbatch
     from autopipe.tracer import trace
 
     links = measure_links("cpu")
@@ -115,8 +119,9 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any)
     for name in args.models.split(","):
         torch.manual_seed(0)
         model = build(name)
+        floor, _ = min_microbatch(trace(model, (torch.randn(args.batch, 3, 32, 32),)))  # BatchNorm's least
         sizes = sorted({layout.microbatch_size(args.batch) for layout, _, _ in
-                        layout_space.layouts(world, args.batch, modes=("eager",)) if layout is not None})
+                        layout_space.layouts(world, args.batch, modes=("eager",)) if layout is not None} - set(range(floor)))
         profiles = {}
         for size in sizes:
             traced = trace(model, (torch.randn(size, 3, 32, 32),))
@@ -180,12 +185,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
+    out = ctx.Queue()
     port = 29500 + os.getpid() % 1000
     procs = [ctx.Process(target=worker, args=(r, 2, port, args, out)) for r in range(2)]
     for p in procs:
         p.start()
-    rows = out.get()
+    rows = None
+    while rows is None:  # a worker that died (its traceback above) must not leave this waiting
+        try:
+            rows = out.get(timeout=5)
+        except queue.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                for p in procs:
+                    p.kill()
+                print("FAIL a worker died; see its traceback above")
+                return 1
     for p in procs:
         p.join()
     failures = summarise(rows)

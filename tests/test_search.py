@@ -194,3 +194,21 @@ def test_costs_priced_in_one_pass_equal_the_profiles_node_time():
             want_b = [profile.node_time(scaled(c, size / 2), backward=True) for c in graph.costs]
             assert fwd.tolist() == pytest.approx(want_f, rel=1e-9, abs=1e-15)
             assert bwd.tolist() == pytest.approx(want_b, rel=1e-9, abs=1e-15)
+
+
+def test_micro_batches_too_small_for_batch_norm_are_refused_with_the_norm_named():
+    # A batch norm after the pooling sees one value per channel per sample: in train() a
+    # micro-batch of one sample would raise inside torch, so no such layout is offered.
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.AdaptiveAvgPool2d(1),
+                                torch.nn.BatchNorm2d(8), torch.nn.Flatten(), torch.nn.Linear(8, 10))
+    traced = trace(model, (torch.randn(4, 3, 32, 32),))
+    result = search_layouts(traced, devices=2, batch=4, pricing=_pricing(4, "cpu"), modes=("eager",), timeline=False)
+    assert result.ranked and all(p.layout.microbatch_size(4) >= 2 for p in result.ranked)
+    refused = [r for r in result.rejected if "BatchNorm 2 would normalise 1 value per channel" in r.reason]
+    assert refused and all(" m2" in r.layout or " m4" in r.layout for r in refused)
+    # Without the pooling the norm sees a whole map per sample: one sample is enough.
+    conv_bn = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.Flatten(),
+                                  torch.nn.Linear(8 * 30 * 30, 10))
+    traced = trace(conv_bn, (torch.randn(4, 3, 32, 32),))
+    result = search_layouts(traced, devices=2, batch=4, pricing=_pricing(4, "cpu"), modes=("eager",), timeline=False)
+    assert any(p.layout.microbatch_size(4) == 1 for p in result.ranked)

@@ -16,11 +16,13 @@ with its reason, as is every impossible one.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from autopipe.errors import ConfigError, ShardingError, positive_int
 from autopipe.partition import balance as balancer
@@ -36,7 +38,7 @@ from .layouts import Layout, layouts
 from .predict import Prediction, Pricing, predict, stage_overhead
 from .report import format_search
 
-__all__ = ["SearchResult", "search_layouts", "Rejected"]
+__all__ = ["SearchResult", "search_layouts", "Rejected", "min_microbatch"]
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,24 @@ def _estimate(graph: GraphCosts, layout: Layout, pricing: Pricing, cuts: dict) -
     return step, (per_rank_state + activations) * pricing_module.FRAGMENTATION
 
 
+def min_microbatch(traced: TracedModel) -> tuple[int, str]:
+    """The fewest samples a micro-batch may hold, and the BatchNorm that says so: in train()
+    a batch norm needs more than one value per channel (torch raises otherwise), and one whose
+    input is 1x1 per sample gets one value per sample. (1, "") when nothing limits it."""
+    floor, name = 1, ""
+    for node in traced.gm.graph.nodes:
+        if node.op != "call_module" or not isinstance(traced.gm.get_submodule(node.target), _BatchNorm):
+            continue
+        value = node.meta.get("val")
+        shape = getattr(value, "shape", None)
+        if shape is None or len(shape) < 2:
+            continue
+        per_sample = math.prod(shape[2:])
+        if per_sample <= 1 and floor < 2:
+            floor, name = 2, node.target
+    return floor, name
+
+
 def search_layouts(traced: TracedModel, *, devices: int, batch: int, pricing: Pricing, modes: tuple[str, ...],
                    memory: float | None = None, measured: Mapping[int, MeasuredCosts] | None = None,
                    exact: int = 24, chunk_options: tuple[int, ...] = (1, 2, 4),
@@ -152,6 +172,13 @@ def search_layouts(traced: TracedModel, *, devices: int, batch: int, pricing: Pr
             rejected.append(Rejected(what, why))
         else:
             candidates.append(layout)
+    floor, norm = min_microbatch(traced)
+    small = [c for c in candidates if c.microbatch_size(batch) < floor]
+    for layout in small:
+        rejected.append(Rejected(str(layout), f"BatchNorm {norm} would normalise 1 value per channel in a micro-batch "
+                                              f"of {layout.microbatch_size(batch)} sample(s); train() needs more: "
+                                              f"micro-batches of at least {floor}"))
+    candidates = [c for c in candidates if c.microbatch_size(batch) >= floor]
     tps = sorted({c.tp for c in candidates})
     graphs = _graphs(traced, reference, tps, measured, rejected, sequence_parallel)
     cuts: dict = {}
