@@ -133,6 +133,11 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any)
                              tensor_overhead=per_tensor, exact=10**6, timeline=False)
         g = torch.Generator().manual_seed(1)
         x, y = torch.randn(args.batch, 3, 32, 32, generator=g), torch.randint(0, 10, (args.batch,), generator=g)
+        # Each rank's own timings may order near-equal layouts differently: rank 0's search decides
+        # (as parallelize(pp="auto") broadcasts rank 0's choice).
+        shared = [result]
+        dist.broadcast_object_list(shared, src=0)
+        result = shared[0]
         for p in result.ranked:
             layout: Layout = p.layout
             size = layout.microbatch_size(args.batch)
