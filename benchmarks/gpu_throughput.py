@@ -413,7 +413,7 @@ def suite(bench: Bench, which: str) -> None:
     only = set(a.only.split(",")) if a.only else None
 
     def run(name: str, batch_size: int, gpus: int, fn: Callable[[], dict]) -> None:
-        if only is None or any(o in name for o in only):
+        if only is None or any(name == o[1:] if o.startswith("=") else o in name for o in only):
             bench.record(name, batch_size, gpus, fn)
 
     def check(pp: int, tp: int, sched: str, chunks: int, graphs: bool = False, sp: bool = False,
@@ -470,6 +470,8 @@ def suite(bench: Bench, which: str) -> None:
         run("autopipe tp=2 sequence parallel compiled", Btp, 2,
             lambda: bench.autopipe(Btp, pp=1, tp=2, m=1, schedule="1f1b", sequence_parallel=True, compiled=True))
         run("one GPU compiled", B, 1, lambda: bench.single(B, compiled=True))
+        if Btp != B:  # tp=2's baseline at its own batch
+            run("one GPU compiled", Btp, 1, lambda: bench.single(Btp, compiled=True))
         for sched, chunks in (("1f1b", 1), ("interleaved_1f1b", 2)):
             run(f"torch pipelining pp=2 {sched} compiled", B, 2,
                 lambda s=sched, c=chunks: bench.torch_pipeline(B, pp=2, m=m, schedule=s, chunks=c, compiled=True))
@@ -543,7 +545,8 @@ def main() -> None:
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--only", default="", help="comma-separated substrings of configuration names to run")
+    p.add_argument("--only", default="", help="comma-separated substrings of configuration names to run "
+                   "('=name': that name exactly)")
     p.add_argument("--out", default="")
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU over gloo (a check of the script)")
     args = p.parse_args()

@@ -173,9 +173,9 @@ def main(argv: list[str] | None = None) -> int:
                 cal_nodes += n
                 cal_segs += [dict(x, nodes=[i + offset for i in x["nodes"]]) for x in s]
                 calibrate_device.write_rows(args.calibration_rows, cal_nodes, cal_segs, device_name(args.device))
-                with open(args.out, "w") as f:  # after every case: a run cut short keeps what it did
-                    json.dump({"device": device_name(args.device), "torch": torch.__version__,
-                               "date": datetime.date.today().isoformat(), "rows": rows}, f, indent=1)
+            with open(args.out, "w") as f:  # after every case: a run cut short keeps what it did
+                json.dump({"device": device_name(args.device), "torch": torch.__version__,
+                           "date": datetime.date.today().isoformat(), "rows": rows}, f, indent=1)
     bad = failures(rows)
     print(f"{len(rows)} cases, {len(bad)} failures")
     for line in bad:

@@ -1,0 +1,255 @@
+"""Is the layout search right on GPUs? Its top layouts, and the pure ones, predicted and measured.
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/layout_choice_gpu.py \\
+        --models vit_large_patch16_224:256,vit_huge_patch14_224:128 --out results.json
+    torchrun --standalone --nproc-per-node 1 benchmarks/layout_choice_gpu.py \\
+        --models vit_large_patch16_224:256,resnet50:256 --out results1.json
+    torchrun --standalone --nproc-per-node 2 benchmarks/layout_choice_gpu.py --smoke   # CPU, gloo, tiny
+
+For each timm model and global batch (``name:batch``), on the GPUs of this torchrun world:
+1. the links are measured (``measure_links``, with 2 GPUs or more);
+2. rank 0 searches (``plan_layout``: the calibrated analytic model of ``--profile``, the measured
+   links, 90% of the GPU's memory as the budget, the execution modes of ``--modes``) and every
+   rank gets its ranking, as ``parallelize(pp="auto")`` does;
+3. measured: the search's top ``--top`` layouts, and on several GPUs the best pp-only, tp-only and
+   dp-only layouts, and on one GPU the best of each execution mode, micro-batch count and
+   checkpointing choice that the top did not cover (``--extra`` of them), each built with
+   ``parallelize(**layout.parallelize_kwargs(), mixed_precision="bf16")`` on fresh random weights,
+   trained with AdamW (torch's default, multi-tensor on CUDA) through ``pm.step``; a step is timed
+   between two synchronisations, the slowest rank's time, median of ``--steps`` after
+   ``--warmup`` (CUDA graphs are captured and stages compiled in the warm-up).
+Targets (issues: automatic layout; several-GPU checks): every measured layout's predicted step
+time within 15% of its measured one, and the chosen layout (the search's first) within 5% of the
+best measured. Results are written after every layout; the table is printed last; exits 1 on a
+miss.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import autopipe  # noqa: E402
+from autopipe.search import measure_links, plan_layout  # noqa: E402
+from autopipe.search.layouts import Layout  # noqa: E402
+
+MAX_ERROR, MAX_REGRET = 0.15, 0.05
+RANK = int(os.environ.get("RANK", 0))
+
+
+def log(*args: Any) -> None:
+    if RANK == 0:
+        print(*args, flush=True)
+
+
+def build(name: str, smoke: bool) -> nn.Module:
+    import timm
+
+    if smoke:
+        return timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=4, depth=4, embed_dim=128,
+                                 num_heads=4, num_classes=10)
+    return timm.create_model(name)
+
+
+def select(ranked: list, devices: int, top: int, extra: int) -> list:
+    """The predictions to measure: the top ones, then the pure layouts (several devices) or the
+    best of each choice the top left out (one device)."""
+    chosen = list(ranked[:top])
+
+    def add(p: Any) -> None:
+        if p is not None and all(p is not c for c in chosen):
+            chosen.append(p)
+
+    if devices > 1:
+        for degree in ("pp", "tp", "dp"):
+            add(next((p for p in ranked if getattr(p.layout, degree) == devices), None))
+    else:
+        keys = (lambda l: l.mode, lambda l: l.microbatches, lambda l: l.recompute)
+        added = 0
+        for key in keys:
+            seen = {key(p.layout) for p in chosen}
+            for p in ranked:
+                if added < extra and key(p.layout) not in seen:
+                    seen.add(key(p.layout))
+                    add(p)
+                    added += 1
+    return chosen
+
+
+def time_layout(model: nn.Module, layout: Layout, batch: int, args: argparse.Namespace,
+                device: torch.device) -> dict[str, Any]:
+    size = layout.microbatch_size(batch)
+    img, classes = (32, 10) if args.smoke else (224, 1000)
+    begin = time.perf_counter()
+    pm = autopipe.parallelize(model, (torch.randn(size, 3, img, img),), loss_fn=F.cross_entropy, device=device,
+                              mixed_precision=None if args.smoke else "bf16", profile=None if args.smoke else
+                              args.profile, **layout.parallelize_kwargs())
+    build_s = time.perf_counter() - begin
+    pm.train()
+    per = batch // layout.dp
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(per, 3, img, img, generator=g).to(device)
+    y = torch.randint(0, classes, (per,), generator=g).to(device)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
+    times = []
+    for i in range(args.warmup + args.steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        pm.train_step(x, y)
+        pm.step(opt)
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = torch.tensor([time.perf_counter() - t0], device=device)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        if i >= args.warmup:
+            times.append(float(seconds))
+        if i == 0:
+            first = float(seconds)
+    peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0], device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    del pm, opt
+    return {"measured": statistics.median(times), "spread": (max(times) - min(times)) / statistics.median(times),
+            "build_s": build_s, "first_step_s": first, "peak_gib": float(peak)}
+
+
+def run_model(name: str, batch: int, args: argparse.Namespace, device: torch.device, links: Any,
+              rows: list[dict], save: Any) -> None:
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    model = build(name, args.smoke)
+    memory = torch.cuda.get_device_properties(device).total_memory * 0.9 if device.type == "cuda" else None
+    modes = tuple(args.modes.split(",")) if not args.smoke else ("eager",)
+    img = 32 if args.smoke else 224
+    result = [None]
+    if dist.get_rank() == 0:
+        result[0] = plan_layout(model, devices=world, batch=batch, device="cpu" if args.smoke else args.profile,
+                                memory=memory, links=links, example_inputs=(torch.randn(1, 3, img, img),),
+                                mixed_precision=None if args.smoke else "bf16", modes=modes, exact=10**6,
+                                timeline=False)
+    dist.broadcast_object_list(result, src=0)
+    search = result[0]
+    picks = select(search.ranked, world, args.top, args.extra)
+    log(f"{name} batch {batch} on {world}: {len(search.ranked)} layouts ranked in {search.seconds:.1f} s "
+        f"({search.costs}; links {search.links}); measuring {len(picks)}")
+    for p in picks:
+        row: dict[str, Any] = {"model": name, "batch": batch, "layout": str(p.layout), "rank": next(i for i, q in enumerate(search.ranked) if q is p),
+                               "predicted": p.step_seconds, "predicted_gib": p.memory_bytes / 2**30,
+                               "bubble": p.bubble, "parts": p.parts}
+        failed = 0.0
+        try:
+            row.update(time_layout(copy.deepcopy(model), p.layout, batch, args, device))
+            row["error"] = p.step_seconds / row["measured"] - 1
+        except Exception as exc:  # noqa: BLE001 - one layout failing must not lose the others
+            row["failure"] = f"{type(exc).__name__}: {exc}"[:300]
+            print(f"[rank {dist.get_rank()}] {p.layout} failed:\n{traceback.format_exc()}", flush=True)
+            failed = 1.0
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        flags = torch.tensor([failed, -failed], device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        rows.append(row)
+        save()
+        if flags[0] and not -flags[1]:
+            raise RuntimeError(f"{p.layout} failed on some ranks only; stopping")
+        if "measured" in row:
+            log(f"  #{row['rank']:<3d} {row['layout']:48s} predicted {row['predicted'] * 1e3:8.1f} ms  measured "
+                f"{row['measured'] * 1e3:8.1f} ms  {row['error']:+6.1%}  {row['peak_gib']:5.1f} GiB "
+                f"(predicted {row['predicted_gib']:5.1f})")
+        else:
+            log(f"  #{row['rank']:<3d} {row['layout']:48s} failed: {row['failure'][:120]}")
+    rows.append({"model": name, "batch": batch, "chosen": str(search.best.layout), "search_seconds": search.seconds,
+                 "costs": search.costs, "links": search.links, "ranked": len(search.ranked)})
+    save()
+
+
+def summarise(rows: list[dict]) -> list[str]:
+    failures = []
+    for name, batch in sorted({(r["model"], r["batch"]) for r in rows}):
+        runs = [r for r in rows if r["model"] == name and r["batch"] == batch and "measured" in r]
+        chosen = next((r["chosen"] for r in rows if r["model"] == name and r["batch"] == batch and "chosen" in r), None)
+        if not runs or chosen is None:
+            failures.append(f"{name}: nothing measured")
+            continue
+        best = min(runs, key=lambda r: r["measured"])
+        pick = next((r for r in runs if r["layout"] == chosen), None)
+        within = sum(abs(r["error"]) <= MAX_ERROR for r in runs)
+        print(f"{name} batch {batch}: {len(runs)} layouts measured, {within} predicted within {MAX_ERROR:.0%} "
+              f"(median error {statistics.median(r['error'] for r in runs):+.1%}); best measured {best['layout']} "
+              f"{best['measured'] * 1e3:.1f} ms")
+        if pick is None:
+            failures.append(f"{name}: the chosen layout {chosen} failed")
+        else:
+            regret = pick["measured"] / best["measured"] - 1
+            print(f"  chosen {chosen}: {pick['measured'] * 1e3:.1f} ms ({regret:+.1%} against the best measured)")
+            if regret > MAX_REGRET:
+                failures.append(f"{name}: the chosen layout is {regret:.1%} slower than the best measured")
+        failures += [f"{name} {r['layout']}: predicted {r['error']:+.1%} off" for r in runs if abs(r["error"]) > MAX_ERROR]
+    return failures
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="vit_large_patch16_224:256,vit_huge_patch14_224:128",
+                        help="comma-separated timm_name:global_batch")
+    parser.add_argument("--modes", default="eager,graphs,compiled,compiled+graphs")
+    parser.add_argument("--profile", default="h100", help="the device profile the search prices with")
+    parser.add_argument("--top", type=int, default=5)
+    parser.add_argument("--extra", type=int, default=3, help="one GPU: further layouts of choices the top left out")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--out", default="")
+    parser.add_argument("--smoke", action="store_true", help="tiny ViT on CPU over gloo (a check of the script)")
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available() and not args.smoke
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=300))
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        torch.set_num_threads(1)
+        device = torch.device("cpu")
+    links = measure_links(device) if dist.get_world_size() > 1 else None
+    rows: list[dict] = []
+    meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "world": dist.get_world_size(),
+            "device": torch.cuda.get_device_name() if cuda else "cpu", "command": " ".join(sys.argv),
+            "links": links.__dict__ if links is not None else None}
+
+    def save() -> None:
+        if dist.get_rank() == 0 and args.out:
+            with open(args.out, "w") as f:
+                json.dump({"meta": meta, "rows": rows}, f, indent=1, default=str)
+
+    for spec in args.models.split(","):
+        name, _, batch = spec.partition(":")
+        run_model(name, int(batch or 64), args, device, links, rows, save)
+    failures = summarise(rows) if dist.get_rank() == 0 else []
+    for line in failures:
+        print("FAIL", line)
+    flag = torch.tensor([float(bool(failures))], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    dist.destroy_process_group()
+    return 1 if float(flag) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

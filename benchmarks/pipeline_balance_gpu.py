@@ -1,0 +1,342 @@
+"""Balance in real pipelines: stages cut on measured times against the other cuts, on several GPUs.
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/pipeline_balance_gpu.py --out results.json
+    torchrun --standalone --nproc-per-node 2 benchmarks/pipeline_balance_gpu.py --smoke   # CPU, gloo, tiny
+
+One torchrun world, pp = its size, the same GPUs for every row. For each timm model (default
+ResNet-50, Swin-B, ViT-L/16; 224x224 random images, ``--batch`` per step in ``--microbatches``
+micro-batches, bf16 autocast, AdamW, stages run in ``--mode``), the pipeline is cut four ways
+and each is trained:
+
+- ``measured``: ``costs="measured"`` (the graph timed on this GPU in the mode that runs, then the
+  emitted stages timed and re-cut while unbalanced);
+- ``analytic``: the calibrated analytic model (``costs="analytic"``, the default);
+- ``roofline``: the plain roofline of the same profile, uncalibrated (what plans were before);
+- ``equal layers``: ``balance="uniform"``, the same number of blocks in each stage: the cut users
+  place by hand for torch.distributed.pipelining;
+
+and, for ViTs, torch.distributed.pipelining itself on that equal split (1F1B, eager).
+
+Before any timing, equivalence in fp32: each model, small, at pp = world size with its measured
+cut, 3 SGD steps against one GPU running the same micro-batches (max relative parameter error).
+
+Per row: samples/s (``--steps`` after ``--warmup``, between two synchronisations), each rank's
+busy time in one more step (forward + backward, CUDA events) and its spread (max/min - 1), the
+measured bubble, and the peak memory of the fullest GPU. Targets (issue: several-GPU checks):
+busy spread <= 5% for the measured cut; ResNet-50 and Swin-B >= 1.3x the roofline cut's
+samples/s. Written after every row; the table is printed last; exits 1 on a miss.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import datetime
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+import autopipe  # noqa: E402
+from autopipe.partition.device import PROFILES  # noqa: E402
+from autopipe.runtime.timeline import gather, measured_bubble  # noqa: E402
+
+MODELS = ("resnet50", "swin_base_patch4_window7_224", "vit_large_patch16_224")
+MAX_SPREAD, MIN_SPEEDUP = 0.05, 1.3
+RANK = int(os.environ.get("RANK", 0))
+
+
+def log(*args: Any) -> None:
+    if RANK == 0:
+        print(*args, flush=True)
+
+
+def build(name: str, smoke: bool) -> nn.Module:
+    import timm
+
+    if smoke:
+        if name.startswith("vit"):
+            return timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=4, embed_dim=64,
+                                     num_heads=4, num_classes=10)
+        import torchvision
+
+        return torchvision.models.resnet18(num_classes=10)
+    return timm.create_model(name)
+
+
+def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.float(), y)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier()
+
+
+def gather_max(value: float, device: torch.device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def check_equivalence(name: str, args: argparse.Namespace, device: torch.device) -> float:
+    """Max relative parameter error after 3 fp32 SGD steps of the measured cut against one GPU."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cudnn.deterministic = True  # the same convolution algorithms in both
+    img = 32 if args.smoke else (224 if name.startswith("swin") else 64)
+    kw = {} if args.smoke or name.startswith("swin") else {"img_size": img} if name.startswith("vit") else {}
+    import timm
+
+    torch.manual_seed(0)
+    ref = (build(name, True) if args.smoke else timm.create_model(name, num_classes=10, **kw)).eval()
+    model = copy.deepcopy(ref)
+    ref = ref.to(device)
+    m, n, pp = 4, 8, dist.get_world_size()
+    pm = autopipe.parallelize(model, (torch.randn(n // m, 3, img, img),), pp=pp, microbatches=m, loss_fn=loss_fn,
+                              device=device, costs="measured" if device.type == "cuda" else "analytic")
+    pm.eval()  # norms on running statistics: the reference's micro-batches see the same
+    opt = torch.optim.SGD(pm.parameters(), lr=0.01, momentum=0.9)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(n, 3, img, img, generator=g).to(device), torch.randint(0, 10, (n,), generator=g).to(device)
+        pm.train_step(x, y)
+        opt.step()
+        opt.zero_grad()
+        for xm, ym in zip(x.chunk(m), y.chunk(m)):
+            (loss_fn(ref(xm), ym) / m).backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+    full = pm.full_state_dict()
+    worst = max((full[k] - v.detach().cpu()).abs().max().item() / max(v.abs().max().item(), 1e-12)
+                for k, v in ref.state_dict().items() if v.is_floating_point())
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cudnn.deterministic = False
+    del pm, ref, model
+    return gather_max(worst, device)
+
+
+def train_autopipe(model: nn.Module, how: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    pp = dist.get_world_size()
+    img, classes = (32, 10) if args.smoke else (224, 1000)
+    kw: dict[str, Any] = {}
+    if how == "measured":
+        kw["costs"] = "measured"
+    elif how == "roofline":
+        kw["profile"] = dataclasses.replace(PROFILES["h100"], calibration=None)
+    elif how == "equal layers":
+        kw["balance"] = "uniform"
+    graphs = args.mode == "graphs" and device.type == "cuda"
+    begin = time.perf_counter()
+    pm = autopipe.parallelize(model, (torch.randn(args.batch // args.microbatches, 3, img, img),), pp=pp,
+                              microbatches=args.microbatches, loss_fn=loss_fn, device=device,
+                              mixed_precision=None if args.smoke else "bf16", cuda_graphs=graphs,
+                              record_timeline=True, **kw)
+    build_s = time.perf_counter() - begin
+    pm.train()
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(args.batch, 3, img, img, generator=g).to(device)
+    y = torch.randint(0, classes, (args.batch,), generator=g).to(device)
+
+    def step() -> None:
+        pm.train_step(x, y)
+        pm.step(opt)
+        opt.zero_grad(set_to_none=True)
+
+    out = timed(step, args, device)
+    pm.timeline.clear()
+    step()
+    events = gather(pm.timeline)
+    if events is not None:
+        busy: dict[int, float] = {}
+        for e in events:
+            if e.action in ("F", "B"):
+                busy[e.rank] = busy.get(e.rank, 0.0) + e.end - e.start
+        out["busy_ms"] = [round(busy[r] * 1e3, 2) for r in sorted(busy)]
+        out["busy_spread"] = max(busy.values()) / min(busy.values()) - 1
+        out["bubble"] = measured_bubble(events)
+    out.update(build_s=build_s, stages=[list(s.modules) for s in pm.plan.stages],
+               modelled_ms=[s.compute_time * 1e3 for s in pm.plan.stages],
+               stage_measured_ms=[(s.measured_time or 0) * 1e3 for s in pm.plan.stages],
+               cost_source=pm.plan.cost_source.get("source"))
+    del pm, opt
+    return out
+
+
+def train_torch_pipelining(model: nn.Module, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """torch.distributed.pipelining, 1F1B, on a ViT split into equal runs of blocks."""
+    from gpu_throughput import split_vit
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    pp, rank = dist.get_world_size(), dist.get_rank()
+    parts = split_vit(model, pp)
+    if args.smoke:
+        for part in parts:
+            part.amp = torch.float32
+    stage = PipelineStage(parts[rank].to(device).train(), rank, pp, device)
+    sched = Schedule1F1B(stage, n_microbatches=args.microbatches, loss_fn=loss_fn)
+    opt = torch.optim.AdamW(stage.submod.parameters(), lr=1e-4)
+    img, classes = (32, 10) if args.smoke else (224, 1000)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(args.batch, 3, img, img, generator=g).to(device)
+    y = torch.randint(0, classes, (args.batch,), generator=g).to(device)
+
+    def step() -> None:
+        if rank == 0:
+            sched.step(x)
+        elif rank == pp - 1:
+            sched.step(target=y, losses=[])
+        else:
+            sched.step()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    out = timed(step, args, device)
+    del sched, stage, opt, parts
+    return out
+
+
+def timed(step: Callable[[], None], args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    for _ in range(args.warmup):
+        step()
+    sync(device)
+    begin = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    sync(device)
+    return {"samples_s": args.batch * args.steps / (time.perf_counter() - begin)}
+
+
+def record(rows: list[dict], row: dict, fn: Callable[[], dict], device: torch.device, save: Callable) -> None:
+    failed = 0.0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        row.update(fn())
+        row["peak_gib"] = gather_max(torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0,
+                                     device)
+    except Exception as exc:  # noqa: BLE001 - one row failing must not lose the others
+        row["failure"] = f"{type(exc).__name__}: {exc}"[:300]
+        print(f"[rank {dist.get_rank()}] {row} failed:\n{traceback.format_exc()}", flush=True)
+        failed = 1.0
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    flags = torch.tensor([failed, -failed], device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    rows.append(row)
+    save()
+    if flags[0] and not -flags[1]:
+        raise RuntimeError(f"{row} failed on some ranks only; stopping")
+    log("  " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
+                         if k not in ("stages", "modelled_ms", "stage_measured_ms")))
+
+
+def table(rows: list[dict]) -> tuple[str, list[str]]:
+    lines = [f"{'model':30s} {'cut':14s} {'samples/s':>9s} {'busy ms per rank':>22s} {'spread':>7s} {'bubble':>7s} "
+             f"{'peak GiB':>8s}"]
+    failures = []
+    for r in rows:
+        if "check" in r:
+            lines.append(f"{r['model']:30s} {'fp32 check':14s} max rel err {r.get('max_rel_err', float('nan')):.1e}")
+            if not r.get("max_rel_err", 1.0) <= 1e-5:
+                failures.append(f"{r['model']}: fp32 equivalence {r.get('max_rel_err', r.get('failure'))}")
+            continue
+        if "samples_s" not in r:
+            lines.append(f"{r['model']:30s} {r['cut']:14s} failed: {r.get('failure', '')[:80]}")
+            continue
+        busy = "/".join(f"{b:.1f}" for b in r.get("busy_ms", []))
+        lines.append(f"{r['model']:30s} {r['cut']:14s} {r['samples_s']:9.1f} {busy:>22s} "
+                     f"{r.get('busy_spread', float('nan')):7.3f} {r.get('bubble', float('nan')):7.3f} "
+                     f"{r.get('peak_gib', 0):8.2f}")
+    for name in dict.fromkeys(r["model"] for r in rows):
+        by = {r["cut"]: r for r in rows if r["model"] == name and "samples_s" in r}
+        if "measured" not in by:
+            failures.append(f"{name}: the measured cut did not run")
+            continue
+        if by["measured"].get("busy_spread", 1.0) > MAX_SPREAD:
+            failures.append(f"{name}: busy spread {by['measured']['busy_spread']:.3f} > {MAX_SPREAD}")
+        for other in ("roofline", "analytic", "equal layers", "torch pipelining"):
+            if other in by:
+                lines.append(f"{name}: measured cut / {other}: {by['measured']['samples_s'] / by[other]['samples_s']:.2f}x")
+        if not name.startswith("vit") and "roofline" in by and \
+                by["measured"]["samples_s"] < MIN_SPEEDUP * by["roofline"]["samples_s"]:
+            failures.append(f"{name}: measured cut {by['measured']['samples_s'] / by['roofline']['samples_s']:.2f}x "
+                            f"the roofline cut < {MIN_SPEEDUP}x")
+    return "\n".join(lines), failures
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--cuts", default="measured,analytic,roofline,equal layers,torch pipelining")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--mode", choices=("graphs", "eager"), default="graphs")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--no-check", action="store_true", help="skip the fp32 equivalence checks")
+    parser.add_argument("--out", default="")
+    parser.add_argument("--smoke", action="store_true", help="tiny models on CPU over gloo (a check of the script)")
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available() and not args.smoke
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=300))
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        torch.set_num_threads(1)
+        device = torch.device("cpu")
+    rows: list[dict] = []
+    meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "world": dist.get_world_size(),
+            "device": torch.cuda.get_device_name() if cuda else "cpu", "command": " ".join(sys.argv),
+            "batch": args.batch, "microbatches": args.microbatches, "mode": args.mode}
+
+    def save() -> None:
+        if dist.get_rank() == 0 and args.out:
+            with open(args.out, "w") as f:
+                json.dump({"meta": meta, "rows": rows}, f, indent=1, default=str)
+
+    models = args.models.split(",")
+    if not args.no_check:
+        for name in models:
+            record(rows, {"model": name, "check": True},
+                   lambda: {"max_rel_err": check_equivalence(name, args, device)}, device, save)
+    for name in models:
+        torch.manual_seed(0)
+        base = build(name, args.smoke)
+        for cut in args.cuts.split(","):
+            if cut == "torch pipelining" and not name.startswith("vit"):
+                continue
+            fn = (lambda: train_torch_pipelining(copy.deepcopy(base), args, device)) if cut == "torch pipelining" \
+                else (lambda: train_autopipe(copy.deepcopy(base), cut, args, device))
+            record(rows, {"model": name, "cut": cut}, fn, device, save)
+    text, failures = table(rows) if dist.get_rank() == 0 else ("", [])
+    log(text)
+    if failures:
+        for line in failures:
+            print("FAIL", line)
+    flag = torch.tensor([float(bool(failures))], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    dist.destroy_process_group()
+    return 1 if float(flag) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
