@@ -168,15 +168,38 @@ def train_autopipe(model: nn.Module, how: str, args: argparse.Namespace, device:
         for e in events:
             if e.action in ("F", "B"):
                 busy[e.rank] = busy.get(e.rank, 0.0) + e.end - e.start
+        per_stage: dict[tuple[int, str], list[float]] = {}
+        for e in events:
+            if e.action in ("F", "B"):
+                per_stage.setdefault((e.stage, e.action), []).append((e.end - e.start) * 1e3)
+        out["stage_f_b_ms"] = {f"{s}{a}": round(sorted(v)[len(v) // 2], 3) for (s, a), v in sorted(per_stage.items())}
         out["busy_ms"] = [round(busy[r] * 1e3, 2) for r in sorted(busy)]
         out["busy_spread"] = max(busy.values()) / min(busy.values()) - 1
         out["bubble"] = measured_bubble(events)
+    if args.diagnose and how == "measured" and device.type == "cuda":
+        out["kernels"] = kernel_summary(step)
     out.update(build_s=build_s, stages=[list(s.modules) for s in pm.plan.stages],
                modelled_ms=[s.compute_time * 1e3 for s in pm.plan.stages],
                stage_measured_ms=[(s.measured_time or 0) * 1e3 for s in pm.plan.stages],
                cost_source=pm.plan.cost_source.get("source"))
     del pm, opt
     return out
+
+
+def kernel_summary(step: Callable[[], None]) -> dict[str, Any]:
+    """One step under the profiler: this rank's kernel time, and the kernels that took most."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.count, e.self_device_time_total / 1e3) for e in prof.key_averages() if e.self_device_time_total > 0]
+    rows.sort(key=lambda r: -r[2])
+    total = sum(r[2] for r in rows)
+    print(f"[rank {dist.get_rank()}] kernel time {total:.1f} ms; top: " +
+          "; ".join(f"{k[:50]} x{c} {t:.2f}ms" for k, c, t in rows[:12]), flush=True)
+    return {"kernel_ms": total, "top": rows[:25]}
 
 
 def train_torch_pipelining(model: nn.Module, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
@@ -245,7 +268,7 @@ def record(rows: list[dict], row: dict, fn: Callable[[], dict], device: torch.de
     if flags[0] and not -flags[1]:
         raise RuntimeError(f"{row} failed on some ranks only; stopping")
     log("  " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
-                         if k not in ("stages", "modelled_ms", "stage_measured_ms")))
+                         if k not in ("stages", "modelled_ms", "stage_measured_ms", "kernels", "stage_f_b_ms")))
 
 
 def table(rows: list[dict]) -> tuple[str, list[str]]:
@@ -291,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", choices=("graphs", "eager"), default="graphs")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--diagnose", action="store_true", help="profile one step of each measured cut (kernels)")
     parser.add_argument("--no-check", action="store_true", help="skip the fp32 equivalence checks")
     parser.add_argument("--out", default="")
     parser.add_argument("--smoke", action="store_true", help="tiny models on CPU over gloo (a check of the script)")

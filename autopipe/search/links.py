@@ -131,7 +131,8 @@ def measure_links(device: torch.device | str, *, group: Any = None,
 
         p2p.append(_timed(ping_pong, device, reps) / 2)
         ar.append(_timed(lambda: dist.all_reduce(x, group=group), device, reps))
-    times = torch.tensor([p2p, ar], dtype=torch.float64)
+    # On the ranks' device: NCCL moves no CPU tensors.
+    times = torch.tensor([p2p, ar], dtype=torch.float64, device=device)
     dist.broadcast(times, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     p2p, ar = times[0].tolist(), times[1].tolist()
     p2p_latency, p2p_bandwidth = _fit(sizes, p2p)
