@@ -162,6 +162,7 @@ def test_export_route_model_that_cannot_be_copied_runs_the_planned_size_only(mon
         pm.train_step(*_data(4, 0))
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_graphs_replay_the_planned_size_and_run_other_sizes_eagerly():
     torch.manual_seed(0)

@@ -436,6 +436,7 @@ def test_refused_models_run_with_per_microbatch_statistics() -> None:
 
 
 # ----------------------------------------------------------------------------- CUDA graphs
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("batchnorm", ["deferred", "microbatch"])
 def test_cuda_graphs_collect_once_per_micro_batch(batchnorm: str) -> None:

@@ -45,6 +45,7 @@ def test_timeline_records_and_clears() -> None:
     assert tl.events() == []
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA events need a GPU")
 def test_timeline_with_cuda_events() -> None:
     tl = Timeline(0, cuda_events=True)

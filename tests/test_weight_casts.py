@@ -127,6 +127,7 @@ def test_parallel_model_bf16_steps_track_autocast():
         torch.testing.assert_close(p.detach(), p_ref, rtol=2e-2, atol=2e-3, msg=name)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fp32-output GEMM runs on CUDA")
 def test_cuda_weight_gradient_is_one_fp32_output_gemm():
     from autopipe.runtime import weight_casts
