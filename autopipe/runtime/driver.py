@@ -5,7 +5,6 @@ the steps, and leaves parameter gradients of the mean loss in ``.grad`` on every
 """
 from __future__ import annotations
 
-from collections import deque
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -19,13 +18,12 @@ from autopipe.runtime.batch_shapes import BatchShapes, Shapes
 from autopipe.runtime.graphs import StageGraphs, slots_per_stage
 from autopipe.failure.monitor import DEFAULT_DEADLINE, FailureMonitor, failure_key
 from autopipe.runtime.microbatch import SPLITS, batch_size, merge, microbatch_sizes, split_inputs, split_targets
-from autopipe.runtime.p2p import (
-    P2P, BufferPool, Link, TensorSpec, Transfer, check_boundary, floating_indices, world_links,
-)  # fmt: skip
+from autopipe.runtime.p2p import P2P, Link, TensorSpec, check_boundary, floating_indices, world_links
 from autopipe.runtime.stage_set import StageSet, check_layout
-from autopipe.runtime.program import Compute, PointToPoint, Step, Transfers, compile_program
+from autopipe.runtime.program import Compute, Step, compile_program
 from autopipe.runtime.schedule import ActionKind, rank_actions, validate
 from autopipe.runtime.timeline import Timeline
+from autopipe.runtime.transfers import StepTransfers
 from autopipe.runtime.warmup import warm_up
 
 __all__ = ["PipelineDriver", "StageSet"]
@@ -105,7 +103,6 @@ class PipelineDriver:
         self._programs: dict[tuple[str, int], list[Step]] = {}
         self._activate(training)
         self.p2p = P2P(pp_group, links if links is not None else world_links(pp_group)) if pp > 1 else None
-        self.pool = BufferPool(self.device)
         # CPU tensors travel over gloo, whose p2p works finish only inside wait().
         self.monitor = monitor if monitor is not None else FailureMonitor(
             pp_rank,
@@ -114,6 +111,7 @@ class PipelineDriver:
             deadline=deadline,
             threaded=self.device.type == "cpu",
         )
+        self.transfers = StepTransfers(self.p2p, self.device, self.monitor, timeline)
         if cuda_graphs and (self.device.type != "cuda" or schedule == "forward_only" or
                             (0 in stages and input_specs is None)):
             raise ConfigError("cuda_graphs=True needs CUDA stages, a training schedule and the model's "
@@ -132,7 +130,7 @@ class PipelineDriver:
             with self.monitor.guard():
                 work = dist.all_reduce(torch.zeros(1, device=self.device), group=pp_group, async_op=True)
                 self._wait_collective(work, "start-up all-reduce of the pipeline group")
-                self.p2p.connect(self._links_used(), self.device, self.monitor.wait)
+                self.transfers.connect([self._train_program or [], self._eval_program], pp_rank)
 
     def train(self, mode: bool = True) -> PipelineDriver:
         """Sets train/eval mode of every local stage (dropout, batch norm), at every batch size,
@@ -244,25 +242,14 @@ class PipelineDriver:
             self._programs[(schedule, m)] = compile_program(schedule, self.pp, m, self.chunks, self.pp_rank)
         return self._programs[(schedule, m)]
 
-    def _links_used(self) -> list[Link]:
-        """The directed links this rank's programs send or receive on."""
-        used = set()
-        for step in (self._train_program or []) + self._eval_program:
-            if isinstance(step, Transfers):
-                for t in step.transfers:
-                    used.add((self.pp_rank, t.peer) if t.send else (t.peer, self.pp_rank))
-        return sorted(used)
-
     def _reset(self) -> None:
         for (s, _), slot in self._slot.items():  # the slots a failed step still held
             self._graphs[s].release(slot)
         self._slot = {}
         self._inputs: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> inputs handed over locally
         self._grads: dict[tuple[int, int], list] = {}  # (stage, mb) -> output grads handed over locally
-        self._recv: dict[tuple, tuple] = {}  # (kind, stage, mb) -> (buffers, handle)
         self._saved: dict[tuple[int, int], tuple] = {}  # what backward needs; it frees it
-        self._outbox: dict[tuple[int, int], Sequence[torch.Tensor]] = {}
-        self._sends: deque = deque()  # (Pending, Handle) of posted sends, oldest first
+        self.transfers.reset()
         self._losses: dict[int, torch.Tensor] = {}  # micro-batch -> its loss, on the last stage
         self._outputs: dict[int, tuple] = {}
         self._mb_inputs: list[tuple] = []
@@ -309,6 +296,9 @@ class PipelineDriver:
         sizes = self._sizes if self._sizes is not None else [None] * m
         self._mb_shapes = [self.shapes.of(n) for n in sizes]
         self._m = m
+        # Receive buffers are pooled per mode and micro-batch size (None: the planned size).
+        self.transfers.start([(self._mode, self.shapes.key(n)) for n in sizes],
+                             [specs for _, specs in self._mb_shapes], self._out_float)
         return program
 
     def _run(self, program: list[Step]) -> None:
@@ -316,24 +306,14 @@ class PipelineDriver:
             if isinstance(step, Compute):
                 (self._forward if step.forward else self._backward)(step.stage, step.microbatch)
             else:
-                self._transfer(step.transfers)
-        while self._sends:
-            pending, handle = self._sends.popleft()
-            self.monitor.wait(pending, handle.what, on_stream=True)
-
-    def _wait(self, handle: Any, action: str, s: int, mb: int) -> None:
-        mark = self.timeline.begin() if self.timeline is not None else None
-        self.monitor.wait(handle.works, handle.what, on_stream=True)
-        if self.timeline is not None:
-            self.timeline.end(mark, action, s, mb)
+                self.transfers.post(step.transfers)
+        self.transfers.finish()
 
     def _forward(self, s: int, mb: int) -> None:
-        bufs = None
+        bufs = self.transfers.received(ActionKind.RECV_ACT, s, mb) if s else None
         if s == 0:
             args = self._mb_inputs[mb]
-        elif (ActionKind.RECV_ACT, s, mb) in self._recv:
-            bufs, handle = self._recv.pop((ActionKind.RECV_ACT, s, mb))
-            self._wait(handle, "RECV_ACT", s, mb)
+        elif bufs is not None:
             args = tuple(bufs)
         else:
             args = self._inputs.pop((s, mb))
@@ -364,17 +344,13 @@ class PipelineDriver:
             if (s + 1) % self.pp == self.pp_rank:
                 self._inputs[(s + 1, mb)] = outputs
             else:
-                self._outbox[(s, mb)] = outputs
+                self.transfers.outbox[(s, mb)] = outputs
         if self.timeline is not None:
             self.timeline.end(mark, "F", s, mb)
         if self._grad:
             self._saved[(s, mb)] = (args, roots, bufs, outputs)
         elif bufs is not None:
-            self.pool.release(("act", s, self._size(mb)), bufs, live=outputs)
-
-    def _size(self, mb: int) -> tuple[bool, int | None]:
-        """Micro-batch ``mb``'s mode and size as buffer pools key them (None: the planned size)."""
-        return self._mode, self.shapes.key(self._sizes[mb]) if self._sizes is not None else None
+            self.transfers.release(ActionKind.RECV_ACT, s, mb, bufs, live=outputs)
 
     def _backward(self, s: int, mb: int) -> None:
         args, roots, bufs, outputs = self._saved.pop((s, mb))
@@ -382,12 +358,8 @@ class PipelineDriver:
         if s == self._last:
             pairs = [(r, None) for r in roots if r.requires_grad]
         else:
-            if (ActionKind.RECV_GRAD, s, mb) in self._recv:
-                gbufs, handle = self._recv.pop((ActionKind.RECV_GRAD, s, mb))
-                self._wait(handle, "RECV_GRAD", s, mb)
-                grads = gbufs
-            else:
-                grads = self._grads.pop((s, mb))
+            gbufs = self.transfers.received(ActionKind.RECV_GRAD, s, mb)
+            grads = gbufs if gbufs is not None else self._grads.pop((s, mb))
             pairs = [(roots[i], g) for i, g in zip(self._out_float[s], grads)
                      if g is not None and roots[i].requires_grad]
         mark = self.timeline.begin() if self.timeline is not None else None
@@ -402,37 +374,15 @@ class PipelineDriver:
             self._grads[(s - 1, mb)] = in_grads
         elif s:  # static shapes: an input autograd did not reach gets zeros
             specs = self._mb_shapes[mb][1][s - 1]
-            self._outbox[(s, mb)] = [g if g is not None else self.pool.zeros(specs[i])
-                                     for i, g in zip(self._in_float[s], in_grads)]
+            self.transfers.outbox[(s, mb)] = [g if g is not None else self.transfers.pool.zeros(specs[i])
+                                              for i, g in zip(self._in_float[s], in_grads)]
         if self.timeline is not None:
             self.timeline.end(mark, "B", s, mb)
         if bufs is not None:  # a stage returning its input hands on (or keeps) the buffer itself
-            self.pool.release(("act", s, self._size(mb)), bufs, live=outputs)
+            self.transfers.release(ActionKind.RECV_ACT, s, mb, bufs, live=outputs)
         if gbufs is not None:  # autograd may keep a received gradient as a leaf output's .grad
-            self.pool.release(("grad", s, self._size(mb)), gbufs,
-                              live=in_grads + [r.grad for r, _ in pairs if r.is_leaf])
-
-    def _transfer(self, batch: tuple[PointToPoint, ...]) -> None:
-        while self._sends and self._sends[0][0].done():
-            self._sends.popleft()  # lets go of the delivered tensors
-        transfers, receives = [], []
-        for t in batch:
-            kind, s, mb = t.kind, t.stage, t.microbatch
-            if t.send:
-                tensors = [t.contiguous() for t in self._outbox.pop((s, mb))]
-            elif kind is ActionKind.RECV_ACT:
-                tensors = self.pool.acquire(("act", s, self._size(mb)), self._mb_shapes[mb][1][s - 1])
-            else:
-                specs = self._mb_shapes[mb][1][s]
-                tensors = self.pool.acquire(("grad", s, self._size(mb)), [specs[i] for i in self._out_float[s]])
-            if not t.send:
-                receives.append((len(transfers), (kind, s, mb), tensors))
-            transfers.append(Transfer(t.send, tensors, t.peer, t.what))
-        handles = self.p2p.post(transfers)
-        for i, key, tensors in receives:
-            self._recv[key] = (tensors, handles[i])
-        # The handle keeps the sent tensors alive until the backend is done with them.
-        self._sends.extend((self.monitor.start(h.works), h) for h in handles if h.send)
+            self.transfers.release(ActionKind.RECV_GRAD, s, mb, gbufs,
+                                   live=in_grads + [r.grad for r, _ in pairs if r.is_leaf])
 
     def _broadcast_loss(self) -> torch.Tensor:
         if self._losses and self._weights is not None:

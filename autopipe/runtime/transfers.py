@@ -1,0 +1,109 @@
+"""The pipeline driver's point-to-point traffic: what one rank sends and receives in a step.
+
+Tensors bound for another pipeline rank (stage outputs, gradients of stage inputs) wait in the
+outbox until the program posts their send; receives land in pooled buffers of the planned specs
+(no shape crosses the wire, see p2p.py) and wait, posted, until the compute that needs them
+takes them; a posted send keeps its tensors alive until the backend has delivered them.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Sequence
+
+import torch
+
+from autopipe.failure.monitor import FailureMonitor
+from autopipe.runtime.p2p import P2P, BufferPool, Link, TensorSpec, Transfer
+from autopipe.runtime.program import PointToPoint, Step, Transfers
+from autopipe.runtime.schedule import ActionKind
+from autopipe.runtime.timeline import Timeline
+
+__all__ = ["StepTransfers"]
+
+
+class StepTransfers:
+    """The sends and receives of one rank's steps over ``p2p`` (None with one pipeline rank,
+    where every tensor is handed over in memory), waited on through ``monitor`` and, for
+    receives, timed on ``timeline``; receive buffers are allocated on ``device``."""
+
+    def __init__(self, p2p: P2P | None, device: torch.device, monitor: FailureMonitor,
+                 timeline: Timeline | None) -> None:
+        self.p2p, self.monitor, self.timeline = p2p, monitor, timeline
+        self.pool = BufferPool(device)
+        self.reset()
+
+    def connect(self, programs: Sequence[list[Step]], pp_rank: int) -> None:
+        """Brings up the directed links that ``programs`` (pipeline rank ``pp_rank``'s) send or
+        receive on; see :meth:`~autopipe.runtime.p2p.P2P.connect`."""
+        used: set[Link] = set()
+        for step in (step for program in programs for step in program):
+            if isinstance(step, Transfers):
+                for t in step.transfers:
+                    used.add((pp_rank, t.peer) if t.send else (t.peer, pp_rank))
+        self.p2p.connect(sorted(used), self.pool.device, self.monitor.wait)
+
+    def reset(self) -> None:
+        """Forgets the step's transfers (also those a failed step left)."""
+        self.outbox: dict[tuple[int, int], Sequence[torch.Tensor]] = {}  # (stage, mb) -> tensors to send
+        self._recv: dict[tuple, tuple] = {}  # (kind, stage, mb) -> (buffers, handle)
+        self._sends: deque = deque()  # (Pending, Handle) of posted sends, oldest first
+        self._keys: Sequence[object] = []
+        self._specs: Sequence[list[list[TensorSpec]]] = []
+        self._grads: dict[int, tuple[int, ...]] = {}
+
+    def start(self, keys: Sequence[object], specs: Sequence[list[list[TensorSpec]]],
+              grads: dict[int, tuple[int, ...]]) -> None:
+        """Begins a step: micro-batch mb's receive buffers are pooled under ``keys[mb]`` and
+        shaped by its boundary specs ``specs[mb]``; stage s receives the gradients of its
+        outputs ``grads[s]`` (the floating ones) only."""
+        self._keys, self._specs, self._grads = keys, specs, grads
+
+    def post(self, batch: Sequence[PointToPoint]) -> None:
+        """Posts ``batch`` in order: sends from the outbox, receives into pooled buffers."""
+        while self._sends and self._sends[0][0].done():
+            self._sends.popleft()  # lets go of the delivered tensors
+        transfers, receives = [], []
+        for t in batch:
+            kind, s, mb = t.kind, t.stage, t.microbatch
+            if t.send:
+                tensors = [x.contiguous() for x in self.outbox.pop((s, mb))]
+            elif kind is ActionKind.RECV_ACT:
+                tensors = self.pool.acquire(self._key(kind, s, mb), self._specs[mb][s - 1])
+            else:
+                specs = self._specs[mb][s]
+                tensors = self.pool.acquire(self._key(kind, s, mb), [specs[i] for i in self._grads[s]])
+            if not t.send:
+                receives.append((len(transfers), (kind, s, mb), tensors))
+            transfers.append(Transfer(t.send, tensors, t.peer, t.what))
+        handles = self.p2p.post(transfers)
+        for i, key, tensors in receives:
+            self._recv[key] = (tensors, handles[i])
+        # The handle keeps the sent tensors alive until the backend is done with them.
+        self._sends.extend((self.monitor.start(h.works), h) for h in handles if h.send)
+
+    def received(self, kind: ActionKind, s: int, mb: int) -> list[torch.Tensor] | None:
+        """The buffers of the receive ``kind`` of stage ``s``, micro-batch ``mb``, once arrived
+        (the wait is timed); None if none was posted (the tensors came in memory)."""
+        if (kind, s, mb) not in self._recv:
+            return None
+        buffers, handle = self._recv.pop((kind, s, mb))
+        mark = self.timeline.begin() if self.timeline is not None else None
+        self.monitor.wait(handle.works, handle.what, on_stream=True)
+        if self.timeline is not None:
+            self.timeline.end(mark, kind.value, s, mb)
+        return buffers
+
+    def release(self, kind: ActionKind, s: int, mb: int, buffers: list[torch.Tensor],
+                live: Sequence[torch.Tensor | None]) -> None:
+        """Returns the buffers of a receive to the pool unless a tensor in ``live`` shares
+        their memory (see :meth:`~autopipe.runtime.p2p.BufferPool.release`)."""
+        self.pool.release(self._key(kind, s, mb), buffers, live=live)
+
+    def finish(self) -> None:
+        """Waits until every posted send has been delivered."""
+        while self._sends:
+            pending, handle = self._sends.popleft()
+            self.monitor.wait(pending, handle.what, on_stream=True)
+
+    def _key(self, kind: ActionKind, s: int, mb: int) -> tuple:
+        return ("act" if kind is ActionKind.RECV_ACT else "grad", s, self._keys[mb])
