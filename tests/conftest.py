@@ -19,6 +19,9 @@ def _cpu_unless_marked(request: pytest.FixtureRequest, monkeypatch: pytest.Monke
     a CPU-only machine. Tests marked ``cuda`` see the GPU."""
     if request.node.get_closest_marker("cuda") is None:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    else:  # fp32 comparisons on the GPU: full-precision matrix products and convolutions
+        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     yield
 
 

@@ -61,6 +61,9 @@ def _worker(
     release: Any,
 ) -> None:
     torch.set_num_threads(1)  # 4 ranks on 2 cores: one compute thread each
+    # The ranks are CPU processes on any machine, a GPU workstation included: what they ask
+    # torch about CUDA must get a CPU-only machine's answer (as the tests' conftest does).
+    torch.cuda.is_available = lambda: False  # type: ignore[assignment]
     try:
         dist.init_process_group(
             "gloo",
