@@ -285,14 +285,11 @@ class Bench:
         if pm.timeline is not None:  # one more step, its per-rank busy time from CUDA events
             pm.timeline.clear()
             step()
-            from autopipe.runtime.timeline import gather, measured_bubble
+            from autopipe.runtime.timeline import busy_seconds, gather, measured_bubble
 
             events = gather(pm.timeline)
             if events is not None:
-                busy: dict[int, float] = {}
-                for e in events:
-                    if e.action in ("F", "B"):
-                        busy[e.rank] = busy.get(e.rank, 0.0) + e.end - e.start
+                busy = busy_seconds(events)
                 out["busy_ms"] = [round(busy[r] * 1e3, 1) for r in sorted(busy)]
                 out["busy_spread"] = round(max(busy.values()) / min(busy.values()) - 1, 3)
                 out["bubble"] = round(measured_bubble(events), 3)

@@ -28,13 +28,11 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
-import gc
 import json
 import os
 import statistics
 import sys
 import time
-import traceback
 from typing import Any
 
 import torch
@@ -42,9 +40,12 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
 
 import autopipe  # noqa: E402
+from _ranks import init_ranks, peak_gib, record_row  # noqa: E402
 from autopipe.search import measure_links, plan_layout  # noqa: E402
 from autopipe.search.layouts import Layout  # noqa: E402
 
@@ -91,8 +92,9 @@ def select(ranked: list, devices: int, top: int, extra: int) -> list:
     return chosen
 
 
-def time_layout(model: nn.Module, layout: Layout, batch: int, args: argparse.Namespace,
+def time_layout(model: nn.Module, layout: Layout, layout_prediction: float, batch: int, args: argparse.Namespace,
                 device: torch.device) -> dict[str, Any]:
+    """The measured step of ``layout``, and its prediction's error."""
     size = layout.microbatch_size(batch)
     img, classes = (32, 10) if args.smoke else (224, 1000)
     begin = time.perf_counter()
@@ -123,11 +125,10 @@ def time_layout(model: nn.Module, layout: Layout, batch: int, args: argparse.Nam
             times.append(float(seconds))
         if i == 0:
             first = float(seconds)
-    peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0], device=device)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     del pm, opt
     return {"measured": statistics.median(times), "spread": (max(times) - min(times)) / statistics.median(times),
-            "build_s": build_s, "first_step_s": first, "peak_gib": float(peak)}
+            "build_s": build_s, "first_step_s": first, "peak_gib": peak_gib(device),
+            "error": layout_prediction / statistics.median(times) - 1}
 
 
 def run_model(name: str, batch: int, args: argparse.Namespace, device: torch.device, links: Any,
@@ -150,27 +151,12 @@ def run_model(name: str, batch: int, args: argparse.Namespace, device: torch.dev
     log(f"{name} batch {batch} on {world}: {len(search.ranked)} layouts ranked in {search.seconds:.1f} s "
         f"({search.costs}; links {search.links}); measuring {len(picks)}")
     for p in picks:
-        row: dict[str, Any] = {"model": name, "batch": batch, "layout": str(p.layout), "rank": next(i for i, q in enumerate(search.ranked) if q is p),
+        position = next(i for i, q in enumerate(search.ranked) if q is p)
+        row: dict[str, Any] = {"model": name, "batch": batch, "layout": str(p.layout), "rank": position,
                                "predicted": p.step_seconds, "predicted_gib": p.memory_bytes / 2**30,
                                "bubble": p.bubble, "parts": p.parts}
-        failed = 0.0
-        try:
-            row.update(time_layout(copy.deepcopy(model), p.layout, batch, args, device))
-            row["error"] = p.step_seconds / row["measured"] - 1
-        except Exception as exc:  # noqa: BLE001 - one layout failing must not lose the others
-            row["failure"] = f"{type(exc).__name__}: {exc}"[:300]
-            print(f"[rank {dist.get_rank()}] {p.layout} failed:\n{traceback.format_exc()}", flush=True)
-            failed = 1.0
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-        flags = torch.tensor([failed, -failed], device=device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        rows.append(row)
-        save()
-        if flags[0] and not -flags[1]:
-            raise RuntimeError(f"{p.layout} failed on some ranks only; stopping")
+        record_row(rows, row, lambda p=p: time_layout(copy.deepcopy(model), p.layout, p.step_seconds, batch, args,
+                                                      device), device, save)
         if "measured" in row:
             log(f"  #{row['rank']:<3d} {row['layout']:48s} predicted {row['predicted'] * 1e3:8.1f} ms  measured "
                 f"{row['measured'] * 1e3:8.1f} ms  {row['error']:+6.1%}  {row['peak_gib']:5.1f} GiB "
@@ -220,14 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="")
     parser.add_argument("--smoke", action="store_true", help="tiny ViT on CPU over gloo (a check of the script)")
     args = parser.parse_args(argv)
-    cuda = torch.cuda.is_available() and not args.smoke
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=300))
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        torch.set_num_threads(1)
-        device = torch.device("cpu")
+    device = init_ranks(args.smoke)
+    cuda = device.type == "cuda"
     links = measure_links(device) if dist.get_world_size() > 1 else None
     rows: list[dict] = []
     meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "world": dist.get_world_size(),

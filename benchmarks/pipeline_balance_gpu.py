@@ -32,12 +32,10 @@ import argparse
 import copy
 import dataclasses
 import datetime
-import gc
 import json
 import os
 import sys
 import time
-import traceback
 from typing import Any, Callable
 
 import torch
@@ -51,7 +49,8 @@ sys.path.insert(0, HERE)
 
 import autopipe  # noqa: E402
 from autopipe.partition.device import PROFILES  # noqa: E402
-from autopipe.runtime.timeline import gather, measured_bubble  # noqa: E402
+from autopipe.runtime.timeline import busy_seconds, gather, measured_bubble  # noqa: E402
+from _ranks import init_ranks, peak_gib, record_row  # noqa: E402
 
 MODELS = ("resnet50", "swin_base_patch4_window7_224", "vit_large_patch16_224")
 MAX_SPREAD, MIN_SPEEDUP = 0.05, 1.3
@@ -164,10 +163,7 @@ def train_autopipe(model: nn.Module, how: str, args: argparse.Namespace, device:
     step()
     events = gather(pm.timeline)
     if events is not None:
-        busy: dict[int, float] = {}
-        for e in events:
-            if e.action in ("F", "B"):
-                busy[e.rank] = busy.get(e.rank, 0.0) + e.end - e.start
+        busy = busy_seconds(events)
         per_stage: dict[tuple[int, str], list[float]] = {}
         for e in events:
             if e.action in ("F", "B"):
@@ -247,26 +243,7 @@ def timed(step: Callable[[], None], args: argparse.Namespace, device: torch.devi
 
 
 def record(rows: list[dict], row: dict, fn: Callable[[], dict], device: torch.device, save: Callable) -> None:
-    failed = 0.0
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    try:
-        row.update(fn())
-        row["peak_gib"] = gather_max(torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0,
-                                     device)
-    except Exception as exc:  # noqa: BLE001 - one row failing must not lose the others
-        row["failure"] = f"{type(exc).__name__}: {exc}"[:300]
-        print(f"[rank {dist.get_rank()}] {row} failed:\n{traceback.format_exc()}", flush=True)
-        failed = 1.0
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    flags = torch.tensor([failed, -failed], device=device)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    rows.append(row)
-    save()
-    if flags[0] and not -flags[1]:
-        raise RuntimeError(f"{row} failed on some ranks only; stopping")
+    record_row(rows, row, lambda: {**fn(), "peak_gib": peak_gib(device)}, device, save)
     log("  " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
                          if k not in ("stages", "modelled_ms", "stage_measured_ms", "kernels", "stage_f_b_ms")))
 
@@ -319,14 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="")
     parser.add_argument("--smoke", action="store_true", help="tiny models on CPU over gloo (a check of the script)")
     args = parser.parse_args(argv)
-    cuda = torch.cuda.is_available() and not args.smoke
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=300))
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        torch.set_num_threads(1)
-        device = torch.device("cpu")
+    device = init_ranks(args.smoke)
+    cuda = device.type == "cuda"
     rows: list[dict] = []
     meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "world": dist.get_world_size(),
             "device": torch.cuda.get_device_name() if cuda else "cpu", "command": " ".join(sys.argv),

@@ -14,6 +14,7 @@ from autopipe.runtime.timeline import (
     Event,
     Timeline,
     bubble_report,
+    busy_seconds,
     gather,
     measured_bubble,
     plot_gantt,
@@ -71,6 +72,11 @@ def test_measured_bubble_counts_only_compute() -> None:
     assert measured_bubble(EVENTS) == pytest.approx(0.5)
     with pytest.raises(ConfigError, match="no forward or backward recorded"):
         measured_bubble([e for e in EVENTS if e.action.startswith("RECV")])
+
+
+def test_busy_seconds_sum_each_ranks_forward_and_backward() -> None:
+    assert busy_seconds(EVENTS) == {0: pytest.approx(2.0), 1: pytest.approx(2.0)}
+    assert busy_seconds([e for e in EVENTS if e.action.startswith("RECV")]) == {}
 
 
 def test_gantt_png_is_written(tmp_path: Path) -> None:

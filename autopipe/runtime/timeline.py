@@ -21,6 +21,7 @@ __all__ = [
     "to_chrome_trace",
     "plot_gantt",
     "measured_bubble",
+    "busy_seconds",
     "bubble_report",
 ]
 
@@ -183,6 +184,15 @@ def measured_bubble(events: Sequence[Event]) -> float:
     makespan = max(e.end for e in compute) - min(e.start for e in compute)
     ranks = len({e.rank for e in compute})
     return 1.0 - busy / (ranks * makespan) if makespan > 0 else 0.0
+
+
+def busy_seconds(events: Sequence[Event]) -> dict[int, float]:
+    """Each rank's forward + backward seconds (its busy time), by rank."""
+    busy: dict[int, float] = {}
+    for e in events:
+        if e.action in COMPUTE:
+            busy[e.rank] = busy.get(e.rank, 0.0) + e.end - e.start
+    return dict(sorted(busy.items()))
 
 
 def bubble_report(events: Sequence[Event], schedule: str, pp: int, m: int, chunks: int) -> str:
