@@ -168,7 +168,11 @@ def predict(graph: GraphCosts, layout: Layout, pricing: Pricing, *, timeline: bo
 def _memory(graph: GraphCosts, layout: Layout, starts: list[int], ends: list[int], state: list[float],
             params: list[float], size: int, pricing: Pricing) -> float:
     ratio = size / graph.reference_size
-    saved = graph.saved_ref * ratio
+    # Under autocast the tensors kept for backward are mostly the compute dtype's (a GEMM keeps
+    # its cast inputs): priced like crossing values. On 2 x H100 (bf16, ViT-L/16 and ViT-H/14,
+    # results/2026-11-25-h100x2-layout-choice.json) the traced fp32 bytes gave 1.4-2.6x the
+    # measured peak; see benchmarks/memory_prediction.py.
+    saved = graph.saved_ref * ratio * pricing.activation_bytes
     s_prefix = np.concatenate(([0.0], np.cumsum(saved)))
     worst = 0.0
     for r in range(layout.pp):

@@ -126,7 +126,8 @@ def _estimate(graph: GraphCosts, layout: Layout, pricing: Pricing, cuts: dict) -
         params * pricing_module.ADAMW_BYTES_PER_PARAM / pricing.profile.mem_bandwidth
     # Memory: state of the fullest stage's rank, activations of the micro-batches it holds.
     state = np.concatenate(([0.0], np.cumsum(graph.state_bytes + graph.param_count * pricing.weight_cast_bytes)))
-    saved = np.concatenate(([0.0], np.cumsum(graph.saved_ref * size / graph.reference_size)))
+    saved = np.concatenate(([0.0], np.cumsum(graph.saved_ref * size / graph.reference_size
+                                             * pricing.activation_bytes)))  # as predict._memory prices it
     held = max_in_flight_bound(layout.schedule, layout.pp, layout.microbatches, layout.chunks, 0)
     per_rank_state = max(sum(float(state[ends[s]] - state[starts[s]]) for s in range(r, stages, layout.pp))
                          for r in range(layout.pp))
