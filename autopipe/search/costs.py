@@ -195,9 +195,13 @@ def _sharded(costs: Mapping[str, NodeCost], plan: ShardPlan) -> dict[str, NodeCo
             continue
         c = scaled(out[name], 1.0 / tp)
         params = out[name].param_bytes
+        # A column-parallel layer (qkv and MultiheadAttention included) keeps its input for
+        # backward, and that input is every rank's whole activation.
+        whole_input = shard.sharding.startswith(("column", "heads:", "mha", "qkv"))
         c = dataclasses.replace(c, param_bytes=params // tp, param_count=out[name].param_count // tp,
                                 fwd_bytes=max(c.fwd_bytes - params * (1 - 1 / tp), 0.0),
-                                out_bytes=out[name].out_bytes if shard.sharding == "row" else c.out_bytes)
+                                out_bytes=out[name].out_bytes if shard.sharding == "row" else c.out_bytes,
+                                saved_bytes=out[name].saved_bytes if whole_input else c.saved_bytes)
         out[name] = c
     return out
 
