@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["init_ranks", "record_row", "peak_gib"]
+__all__ = ["init_ranks", "log", "max_over_ranks", "record_row", "peak_gib"]
 
 
 def init_ranks(smoke: bool) -> torch.device:
@@ -24,12 +24,22 @@ def init_ranks(smoke: bool) -> torch.device:
     return torch.device("cpu")
 
 
-def peak_gib(device: torch.device) -> float:
-    """The fullest rank's peak allocated memory since the last reset (GiB; 0 on the CPU)."""
-    t = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0],
-                     dtype=torch.float64, device=device)
+def log(*args: Any) -> None:
+    """Print on rank 0 only (torchrun's RANK; before the process group exists too)."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(*args, flush=True)
+
+
+def max_over_ranks(value: float, device: torch.device) -> float:
+    """The largest of every rank's ``value`` (collective)."""
+    t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
+
+
+def peak_gib(device: torch.device) -> float:
+    """The fullest rank's peak allocated memory since the last reset (GiB; 0 on the CPU)."""
+    return max_over_ranks(torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0, device)
 
 
 def record_row(rows: list[dict], row: dict[str, Any], fn: Callable[[], dict], device: torch.device,

@@ -45,17 +45,11 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 import autopipe  # noqa: E402
-from _ranks import init_ranks, peak_gib, record_row  # noqa: E402
+from _ranks import init_ranks, log, peak_gib, record_row  # noqa: E402
 from autopipe.search import measure_links, plan_layout  # noqa: E402
 from autopipe.search.layouts import Layout  # noqa: E402
 
 MAX_ERROR, MAX_REGRET = 0.15, 0.05
-RANK = int(os.environ.get("RANK", 0))
-
-
-def log(*args: Any) -> None:
-    if RANK == 0:
-        print(*args, flush=True)
 
 
 def build(name: str, smoke: bool) -> nn.Module:

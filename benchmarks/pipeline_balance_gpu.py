@@ -50,16 +50,10 @@ sys.path.insert(0, HERE)
 import autopipe  # noqa: E402
 from autopipe.partition.device import PROFILES  # noqa: E402
 from autopipe.runtime.timeline import busy_seconds, gather, measured_bubble  # noqa: E402
-from _ranks import init_ranks, peak_gib, record_row  # noqa: E402
+from _ranks import init_ranks, log, max_over_ranks, peak_gib, record_row  # noqa: E402
 
 MODELS = ("resnet50", "swin_base_patch4_window7_224", "vit_large_patch16_224")
 MAX_SPREAD, MIN_SPEEDUP = 0.05, 1.3
-RANK = int(os.environ.get("RANK", 0))
-
-
-def log(*args: Any) -> None:
-    if RANK == 0:
-        print(*args, flush=True)
 
 
 def build(name: str, smoke: bool) -> nn.Module:
@@ -83,12 +77,6 @@ def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
     dist.barrier()
-
-
-def gather_max(value: float, device: torch.device) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
 
 
 def check_equivalence(name: str, args: argparse.Namespace, device: torch.device) -> float:
@@ -127,7 +115,7 @@ def check_equivalence(name: str, args: argparse.Namespace, device: torch.device)
     torch.backends.cudnn.allow_tf32 = True
     torch.backends.cudnn.deterministic = False
     del pm, ref, model
-    return gather_max(worst, device)
+    return max_over_ranks(worst, device)
 
 
 def train_autopipe(model: nn.Module, how: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
