@@ -449,8 +449,14 @@ def test_cuda_graphs_collect_once_per_micro_batch(batchnorm: str) -> None:
                                   batchnorm=batchnorm)
         train(pm, 8)
         states[graphs] = {k: v.cpu() for k, v in pm.full_state_dict().items()}
-    differing = [f"{k}: max |difference| {float((states[True][k].double() - v.double()).abs().max()):.3g} "
-                 f"(eager {float(v.double().abs().max()):.3g})"
+    # The eager and the graphed run differ in float64 rounding (layer4 only, measured on an
+    # H100 with torch 2.11): up to ~3e-9 of a statistic's largest value after 8 steps, on
+    # elements of any size (so the bound is relative to the largest). A warm-up or capture pass that counted, or
+    # a forward that collected twice, moves them by a fraction of the momentum (0.1): 1e-3 or more.
+    def off(k: str, v: torch.Tensor) -> float:
+        return float((states[True][k].double() - v.double()).abs().max())
+
+    differing = [f"{k}: max |difference| {off(k, v):.3g} (eager {float(v.double().abs().max()):.3g})"
                  for k, v in states[False].items() if ("running_" in k or "num_batches" in k)
-                 and not torch.allclose(states[True][k].double(), v.double(), rtol=1e-9, atol=1e-9)]
+                 and off(k, v) > 1e-6 * float(v.double().abs().max()) + 1e-12]
     assert not differing, "statistics that CUDA graphs changed:\n" + "\n".join(differing)

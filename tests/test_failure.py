@@ -157,6 +157,22 @@ def test_an_untyped_error_after_another_rank_failed_is_raised_as_that_failure() 
         raise InputError("bad shape")
 
 
+def test_a_lost_peer_raised_where_a_transfer_is_posted_is_typed_and_recorded() -> None:
+    """Gloo raises at isend/all_reduce time once a peer process has exited: no wait sees it."""
+    a, b = monitors()
+    gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:547] Connection closed by peer "
+                        "[127.0.0.1]:58084")
+    with pytest.raises(PipelineFailure, match=r"^a transfer or collective failed: Connection closed by peer "
+                                              r"\[127.0.0.1\]:58084; a peer process may have died$") as info, a.guard():
+        raise gloo
+    assert info.value.__cause__ is gloo
+    with pytest.raises(PipelineFailure, match="pipeline rank 0 failed: PipelineFailure: a transfer or collective"):
+        b.check()  # recorded: the ranks waiting on this one are released
+    (c,) = monitors(1)
+    with pytest.raises(RuntimeError, match="^a user's own error$"), c.guard():
+        raise RuntimeError("a user's own error")  # other untyped errors stay what they are
+
+
 def test_arrive_waits_for_every_rank_and_names_those_that_did_not_come() -> None:
     store = dist.HashStore()
     a, b, c = (FailureMonitor(r, store, "autopipe/failure/arrive", size=3, deadline=1.0 if r < 2 else 30.0)

@@ -169,6 +169,8 @@ def prepare(tp: int, tmp: str) -> dict[str, Any]:
         per_rank[r]["dropout"] = apply_sharding(traced, plan, r, group="tp").gm
         per_rank[r]["dropout" + SP] = apply_sharding(traced, sp_plan, r, group="tp").gm
     for r in range(tp):
+        per_rank[r]["non_persistent"] = {case: _non_persistent(entry[0]) for case, entry in per_rank[r].items()
+                                         if isinstance(entry, tuple)}
         torch.save(per_rank[r], os.path.join(tmp, f"rank{r}.pt"))
     torch.save(refs, os.path.join(tmp, "ref.pt"))
     return plans
@@ -188,9 +190,24 @@ def masks(gm: fx.GraphModule, x: torch.Tensor) -> dict[str, torch.Tensor]:
     return seen
 
 
+def _non_persistent(gm: nn.Module) -> set[str]:
+    return {name for name, _ in gm.named_buffers()} - gm.state_dict().keys()
+
+
+def _restore_non_persistent(gm: nn.Module, names: set[str]) -> None:
+    """torch 2.11 unpickles a GraphModule with every buffer persistent (later versions keep
+    ``persistent=False``): re-register the ones the sharded graph had before pickling."""
+    for name in names:
+        owner_path, _, field = name.rpartition(".")
+        owner = gm.get_submodule(owner_path)
+        owner.register_buffer(field, owner._buffers[field], persistent=False)
+
+
 def world_worker(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     register_group("tp", dist.group.WORLD)
     mine = torch.load(os.path.join(tmp, f"rank{rank}.pt"), weights_only=False)
+    for case, names in mine.pop("non_persistent").items():
+        _restore_non_persistent(mine[case][0], names)
     refs = torch.load(os.path.join(tmp, "ref.pt"), weights_only=False)
     x, y = refs["x"], refs["y"]
     results: dict[str, Any] = {}
@@ -209,7 +226,9 @@ def world_worker(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
             full = gather_full_state_dict(g, plan, dist.group.WORLD)
             # Unpickling re-traces a GraphModule's code, which may add _tensor_constant buffers.
             extra = {k for k in full.keys() - ref[opt].keys() if not k.startswith("_tensor_constant")}
-            assert not extra and ref[opt].keys() <= full.keys(), f"{case}: state_dict keys differ"
+            missing = ref[opt].keys() - full.keys()
+            assert not extra and not missing, \
+                f"{case}: state_dict keys differ: extra {sorted(extra)[:8]}, missing {sorted(missing)[:8]}"
             got[opt] = {k: excess(full[k], ref[opt][k]) for k in ref[opt]}
         results[case] = got
     torch.manual_seed(0)

@@ -391,3 +391,30 @@ def test_sequence_parallel_needs_micro_batches_that_split_across_tp():
     with pytest.raises(ConfigError, match="micro-batch's 3 samples across tp=2 ranks; use a micro-batch size divisible by 2"):
         plan_sharding(traced, 2, sequence_parallel=True)
     assert not plan_sharding(traced, 2).sequence_parallel  # without it, any size shards
+
+
+class _MaskedInput(nn.Module):
+    """A non-persistent buffer read through get_attr before a column/row pair."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+        self.register_buffer("mask", torch.arange(8.0), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x * self.mask)))
+
+
+def test_non_persistent_buffers_stay_out_of_sharded_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers' Swin ``relative_position_index`` read through get_attr, on torch 2.11's fx."""
+    from tests.test_emit import _copy_attr_as_torch_2_11
+
+    monkeypatch.setattr(torch.fx.graph_module, "_copy_attr", _copy_attr_as_torch_2_11)
+    model = _MaskedInput()
+    traced = trace(model, (torch.randn(4, 8),))
+    plan = plan_sharding(traced, 2)
+    assert plan.collectives, "nothing was sharded"
+    for rank in range(2):
+        gm = apply_sharding(traced, plan, rank).gm
+        assert "mask" in dict(gm.named_buffers())  # the sharded graph does read it
+        assert set(gm.state_dict()) <= set(model.state_dict()), set(gm.state_dict()) - set(model.state_dict())

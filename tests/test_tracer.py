@@ -361,3 +361,20 @@ def test_tracing_leaves_no_proxy_or_fake_tensor_in_the_model() -> None:
     assert type(got) is torch.Tensor
     torch.testing.assert_close(got, expected)
     torch.testing.assert_close(traced.unflatten_output(traced.gm(x)), expected)
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_batch_norms_propagate_shapes_without_touching_statistics(momentum: float | None) -> None:
+    """momentum=None reads num_batches_tracked as a float, which fake tensors refuse on torch 2.11."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, momentum=momentum), nn.ReLU()).train()
+    model = model.to(memory_format=torch.channels_last)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = _image().to(memory_format=torch.channels_last)
+    traced = trace(model, (x,), route="fx")
+    (norm,) = [n for n in traced.gm.graph.nodes if n.op == "call_module" and n.target == "1"]
+    want = model(x)
+    assert norm.meta["val"].shape == want.shape and norm.meta["val"].dtype == want.dtype
+    assert norm.meta["val"].is_contiguous(memory_format=torch.channels_last)
+    model.load_state_dict(before)
+    traced = trace(model, (x,), route="fx")
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import re
 import time
 from collections import Counter
 from typing import Callable, Iterator, Sequence
@@ -18,10 +17,11 @@ from torch.distributed.distributed_c10d import _get_default_store
 
 from autopipe.errors import AutopipeError, PipelineFailure
 from autopipe.failure import exit_hook
+from autopipe.failure.backend_errors import brief, lost_peer
 from autopipe.failure.waiter import Pending, Ticket, Waiter
 
 __all__ = [
-    "FailureMonitor", "Pending", "failure_key", "active", "brief", "host_waits", "wait_works", "synced",
+    "FailureMonitor", "Pending", "failure_key", "active", "brief", "lost_peer", "host_waits", "wait_works", "synced",
     "DEFAULT_DEADLINE",
 ]  # fmt: skip
 
@@ -47,7 +47,8 @@ __all__ = [
 #   Collectives are waited on as [Note: collective waits] says.
 # * A process that dies writes nothing: its neighbours see gloo's connection error (or
 #   nothing, on NCCL) or reach the deadline; either way they record their own failure, which
-#   releases the ranks further away.
+#   releases the ranks further away. Gloo may raise that error where a transfer or collective
+#   is posted rather than waited on; ``cause()`` types it as a PipelineFailure all the same.
 # A finished wait costs one is_completed() call (or one Event wait), and the store is read only
 # by ranks that are already blocked, so a healthy pipeline pays nearly nothing. After a
 # failure the group's messages are out of step (and a waiter thread may stay blocked): the
@@ -101,13 +102,6 @@ def failure_key(group: dist.ProcessGroup | None) -> str:
     name = "-".join(map(str, ranks))
     _instances[name] += 1
     return f"autopipe/failure/{name}/{_instances[name]}"
-
-
-def brief(exc: BaseException) -> str:
-    """``exc``'s first line, without the source location and advice gloo wraps it in."""
-    text = (str(exc).splitlines() or [""])[0]
-    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\] ", "", text)
-    return text.split(". This is typically caused", 1)[0][:300]
 
 
 def active() -> FailureMonitor | None:
@@ -230,11 +224,17 @@ class FailureMonitor:
 
     def cause(self, exc: BaseException) -> BaseException:
         """What to raise for ``exc``: the failure another rank recorded first when ``exc`` is
-        an untyped error (likely its consequence: a connection its process closed), else ``exc``."""
+        an untyped error (likely its consequence: a connection its process closed); else a
+        PipelineFailure where ``exc`` is the backend's own report of a lost peer (raised where
+        a transfer or collective is posted, not waited on); else ``exc``."""
         if isinstance(exc, (AutopipeError, KeyboardInterrupt)) or not isinstance(exc, Exception):
             return exc
         failed = self._recorded()
-        return failed if failed is not None and getattr(failed, "failed_rank", None) != self.rank else exc
+        if failed is not None and getattr(failed, "failed_rank", None) != self.rank:
+            return failed
+        if lost_peer(exc):
+            return self._lost(f"a transfer or collective failed: {brief(exc)}; a peer process may have died")
+        return exc
 
     @contextlib.contextmanager
     def guard(self, *, record: bool = True) -> Iterator[None]:

@@ -13,7 +13,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ..errors import ConfigError
-from ..graph import MODULE_KEY
+from ..graph import MODULE_KEY, keep_buffer_persistence
 from ..tracer import TracedModel
 from ..tracer.shapes import propagate_shapes
 from . import ops
@@ -182,6 +182,7 @@ def apply_sharding(traced: TracedModel, shard_plan: ShardPlan, tp_rank: int, *,
     _edit_shapes(graph, plan, by_name)  # see [Note: locating the split dim across a reshape] in ops.py
     _insert_collectives(graph, plan, by_name, gname)
     gm = fx.GraphModule(root, graph, class_name=type(src).__name__)
+    keep_buffer_persistence(gm, src)  # torch 2.11 copies every get_attr tensor as persistent
     gm.training = src.training
     gm.graph.lint()
     gm.recompile()

@@ -31,6 +31,15 @@ def to_meta(value: Any) -> Any:
 
 
 class _Propagator(fx.Interpreter):
+    def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
+        # A batch norm's output is its input's shape and dtype. Running it in fake mode reads
+        # ``num_batches_tracked`` as a Python float where momentum is None, which torch 2.11's
+        # fake tensors refuse (DataDependentOutputException); the shape needs no statistics.
+        module = self.fetch_attr(target)
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and args and isinstance(args[0], torch.Tensor):
+            return torch.empty_like(args[0])
+        return super().call_module(target, args, kwargs)
+
     def run_node(self, n: fx.Node) -> Any:
         try:
             result = super().run_node(n)
