@@ -1,6 +1,6 @@
 """How the analytic cost model's plans balance, judged by node times measured on the GPU.
 
-    python benchmarks/analytic_balance.py ROWS.json [ROWS.json ...] --out results.json
+    python benchmarks/analytic_balance.py ROWS.json[.gz] [ROWS.json[.gz] ...] --out results.json
 
 ROWS are the calibration rows ``measured_balance.py --calibration-rows`` or ``calibrate_device.py
 collect`` wrote on the GPU: every node's own forward + backward kernel time (the profiler's
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gzip
 import json
 import os
 import sys
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     truth: dict[tuple[str, int], dict[str, float]] = {}
     device = ""
     for path in args.rows:
-        with open(path) as f:
+        with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
             data = json.load(f)
         device = device or data["meta"]["device"]
         for r in data["nodes"]:

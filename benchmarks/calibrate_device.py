@@ -10,10 +10,11 @@ What is fitted is [Note: calibrated roofline] (autopipe/partition/calibration.py
 of each model gives one row per direction: its kernels' measured device time (the profiler's
 kernel records: [Note: node times from kernels] in autopipe/measure/kernels.py) and, per kernel
 class, the plain roofline seconds of the kernels the cost model says it launches, with their
-count. The factors and the per-kernel launch time are the non-negative least-squares solution
+count. The factors and the launch time of each kind of kernel are the non-negative least-squares solution
 of
 
-    device(node) ~= sum over classes of factor[class] * roofline[class] + launch * kernels
+    device(node) ~= sum over classes of factor[class] * roofline[class]
+                    + sum over kernel kinds of launch[kind] * kernels[kind]
 
 on relative error (each row divided by its measured time), with a light pull of every factor
 towards the median factor so that classes seen in few rows stay sensible. The host time per
@@ -34,7 +35,7 @@ import os
 import platform
 import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Any
 
 import numpy as np
@@ -127,7 +128,7 @@ def refeature(nodes: list[dict]) -> None:
     """Recompute every row's roofline terms with this checkout's cost model (the models are
     traced again here on the meta device; the measured times are kept)."""
     from autopipe.models import default_input, load_model
-    from autopipe.partition.calibration import kernel_features
+    from autopipe.partition.calibration import kernel_features, kernel_kind
     from autopipe.partition.cost import graph_costs
     from autopipe.partition.device import PROFILES
     from autopipe.tracer import trace
@@ -146,41 +147,50 @@ def refeature(nodes: list[dict]) -> None:
             for cls, seconds in kernels:
                 feats[cls] += seconds
             row[direction]["features"], row[direction]["kernels"] = dict(feats), len(kernels)
+            row[direction]["kinds"] = dict(Counter(kernel_kind(cls) for cls, _ in kernels))
 
 
-def _design(rows: list[dict], direction: str, classes: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """(A, measured): A[row, class] roofline seconds, last column the kernels the model launches."""
+def _kinds(d: dict) -> dict[str, int]:
+    """The kernels a row's node launches, by kernel_kind (rows made before kinds were kept: all "*")."""
+    return d.get("kinds") or ({"*": d["kernels"]} if d["kernels"] else {})
+
+
+def _design(rows: list[dict], direction: str, classes: list[str], kinds: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(A, measured): A[row, class] roofline seconds, then a column per kernel kind: the
+    kernels of that kind the model launches."""
     index = {c: i for i, c in enumerate(classes)}
-    a = np.zeros((len(rows), len(classes) + 1))
+    index.update({k: len(classes) + i for i, k in enumerate(kinds)})
+    a = np.zeros((len(rows), len(classes) + len(kinds)))
     y = np.zeros(len(rows))
     for r, row in enumerate(rows):
         d = row[direction]
         for cls, seconds in d["features"].items():
             if cls in index:
                 a[r, index[cls]] += seconds
-        a[r, -1] = d["kernels"]
+        for kind, count in _kinds(d).items():
+            if kind in index:
+                a[r, index[kind]] += count
         y[r] = d["device"]
     return a, y
 
 
-def _nnls_relative(a: np.ndarray, y: np.ndarray) -> np.ndarray:
+def _nnls_relative(a: np.ndarray, y: np.ndarray, factors: int) -> np.ndarray:
     """Non-negative least squares with each row weighted by 1 / measured ** WEIGHT_POWER (1:
     relative error, which underweights the large kernels that set a stage's time; 0: absolute),
-    every factor pulled lightly towards the median factor."""
+    every factor (the first ``factors`` columns; the rest are launch times) pulled lightly
+    towards the median factor."""
     from scipy.optimize import nnls
 
-    keep = (y > 0) & (a[:, :-1].sum(axis=1) > 0)
+    keep = (y > 0) & (a[:, :factors].sum(axis=1) > 0)
     w = 1.0 / y[keep] ** WEIGHT_POWER
     aw, yw = a[keep] * w[:, None], y[keep] * w
     first, _ = nnls(aw, yw, maxiter=5000)
-    factors = first[:-1]
-    used = (a[keep][:, :-1] > 0).any(axis=0) & (factors > 0)
-    prior = float(np.median(factors[used])) if used.any() else 1.0
-    n = a.shape[1]
+    used = (a[keep][:, :factors] > 0).any(axis=0) & (first[:factors] > 0)
+    prior = float(np.median(first[:factors][used])) if used.any() else 1.0
     weight = PRIOR_WEIGHT * math.sqrt(len(yw)) * float(np.sqrt(np.mean(yw ** 2)))
-    reg = np.zeros((n - 1, n))
-    reg[:, : n - 1] = np.eye(n - 1) * weight / prior
-    sol, _ = nnls(np.vstack([aw, reg]), np.concatenate([yw, np.full(n - 1, weight)]), maxiter=5000)
+    reg = np.zeros((factors, a.shape[1]))
+    reg[:, :factors] = np.eye(factors) * weight / prior
+    sol, _ = nnls(np.vstack([aw, reg]), np.concatenate([yw, np.full(factors, weight)]), maxiter=5000)
     return sol
 
 
@@ -188,7 +198,7 @@ def _gpu(rows: list[dict], model: dict[str, Any]) -> np.ndarray:
     """Predicted device seconds per node row, per direction: shape (rows, 2)."""
     out = np.zeros((len(rows), 2))
     for k, d in enumerate(("fwd", "bwd")):
-        a, _ = _design(rows, d, model["classes"])
+        a, _ = _design(rows, d, model["classes"], model["kinds"])
         out[:, k] = a @ model["sols"][d]
     return out
 
@@ -209,8 +219,10 @@ def _segment_prediction(nodes: list[dict], segs: list[dict], model: dict[str, An
 
 def fit(nodes: list[dict], segs: list[dict]) -> dict[str, Any]:
     classes = sorted({c for row in nodes for d in ("fwd", "bwd") for c in row[d]["features"]})
-    sols = {d: _nnls_relative(*_design(nodes, d, classes)) for d in ("fwd", "bwd")}
-    model: dict[str, Any] = {"classes": classes, "sols": sols, "overhead": {"graphs": 0.0, "eager": 0.0}}
+    kinds = sorted({k for row in nodes for d in ("fwd", "bwd") for k in _kinds(row[d])})
+    sols = {d: _nnls_relative(*_design(nodes, d, classes, kinds), len(classes)) for d in ("fwd", "bwd")}
+    model: dict[str, Any] = {"classes": classes, "kinds": kinds, "sols": sols,
+                             "overhead": {"graphs": 0.0, "eager": 0.0}}
     # A stage's fixed cost (first launch, autograd's start): the median excess of a segment.
     measured = {m: np.array([s[m] for s in segs]) for m in ("graphs", "eager")}
     model["overhead"]["graphs"] = max(float(np.median(measured["graphs"] - _segment_prediction(
@@ -226,7 +238,11 @@ def fit(nodes: list[dict], segs: list[dict]) -> dict[str, Any]:
                 best, best_err, model["overhead"]["eager"] = host, err, excess
     model["host"] = best
     model["factors"] = {c: (float(sols["fwd"][i]), float(sols["bwd"][i])) for i, c in enumerate(classes)}
-    model["launch"] = (float(sols["fwd"][-1]), float(sols["bwd"][-1]))
+    n = len(classes)
+    model["launches"] = {k: (float(sols["fwd"][n + i]), float(sols["bwd"][n + i])) for i, k in enumerate(kinds)}
+    # Kernels of a kind no model launched: the median kind's launch time.
+    model["launch"] = tuple(float(np.median([v[i] for v in model["launches"].values()])) if kinds else 0.0
+                            for i in (0, 1))
     return model
 
 
@@ -277,7 +293,8 @@ def report(nodes: list[dict], segs: list[dict], meta: dict[str, Any]) -> dict[st
             if loo:
                 errors[mode]["leave_one_model_out"][f"{parts}_stages"] = {**_summary(loo), "max_by_model": per_model}
     return {
-        "schema": 1, "device": meta["device"], "launch": model["launch"], "host": model["host"],
+        "schema": 1, "device": meta["device"], "launch": model["launch"], "launches": model["launches"],
+        "host": model["host"],
         "factors": model["factors"], "stage": model["overhead"],
         "fit": {"made_by": "benchmarks/calibrate_device.py", "dtype": meta["dtype"], "torch": meta["torch"],
                 "date": meta["date"], "models": meta["models"], "microbatches": meta["microbatches"],

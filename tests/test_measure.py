@@ -249,6 +249,24 @@ def test_a_calibrated_profile_prices_launches_by_mode():
         profile.with_mode("fast")
 
 
+def test_a_calibration_prices_the_launch_of_each_kind_of_kernel():
+    """Kinds the fit saw have their own launch time (a conv's set-up and format conversions),
+    other kinds the table's fallback."""
+    cal = Calibration("gpu", {"gemm/>1024": (2.0, 3.0)}, launch=(1e-6, 2e-6), host=(0.0, 0.0),
+                      launches={"gemm": (7e-6, 9e-6)})
+    profile = DeviceProfile("p", 1e12, 1e11, 1e11, 1e9, 1e-5, 5e-6, calibration=cal).with_mode("graphs")
+    costs = graph_costs(trace(nn.Sequential(nn.Linear(2048, 2048), nn.GELU()), (torch.randn(64, 2048),)).gm)
+    gemm = next(c for c in costs.values() if c.kind == "matmul")
+    act = next(c for c in costs.values() if c.kind == "elementwise")
+    assert profile.node_time(gemm) == pytest.approx(2.0 * max(gemm.fwd_flops / 1e12, gemm.fwd_bytes / 1e11) + 7e-6)
+    assert profile.node_time(gemm, backward=True) - 3.0 * max(gemm.bwd_flops / 1e12, gemm.bwd_bytes / 1e11) \
+        == pytest.approx(9e-6)
+    assert cal.launch_time(class_of(act), False) == 1e-6
+    assert Calibration.from_dict(json.loads(cal.to_json())) == cal
+    with pytest.raises(ConfigError, match="negative or non-finite launch times"):
+        Calibration.from_dict(dict(json.loads(cal.to_json()), launches={"gemm": [-1, 0]}))
+
+
 # ------------------------------------------------------------------------------ parallelize
 def _measured_rank(rank: int, world: int, cache_dir: str) -> dict:
     torch.manual_seed(0)

@@ -22,8 +22,10 @@ backward pass:
   64 channels over 56x56 maps run at a quarter of the bandwidth 512 channels reach), pooling
   apart from other reductions.
 
-More numbers: the GPU time each launched kernel adds (its tail and the gap before the next,
-what CUDA graph replays still pay), the host time each launched node costs in eager mode
+More numbers: the GPU time each launched kernel adds by its kind (the part of a class name
+before the first "/": a convolution's set-up, format conversions and tail, or an elementwise
+kernel's, and the gap before the next; what CUDA graph replays still pay; the squeeze-excite
+convolutions of EfficientNet, GEMMs of a few thousand FLOPs, take 10-15 us each on an H100), the host time each launched node costs in eager mode
 (Python, dispatch, launch; forward and autograd backward) and the fixed time of a stage in
 each mode (its first launch, autograd's start). In eager mode a node takes the longer of its
 GPU time and its host time, since the host runs ahead of the device where it can.
@@ -52,7 +54,7 @@ from typing import Any
 from autopipe.errors import ConfigError
 from autopipe.partition.cost import FREE_KINDS, MATMUL_KINDS, NodeCost
 
-__all__ = ["Calibration", "class_of", "load_calibration", "CALIBRATION_DIR", "DIM_BOUNDS", "BYTE_BOUNDS",
+__all__ = ["Calibration", "class_of", "kernel_kind", "load_calibration", "CALIBRATION_DIR", "DIM_BOUNDS", "BYTE_BOUNDS",
            "BYTE_LABELS", "BYTE_LIMITS"]
 
 SCHEMA_VERSION = 1
@@ -92,16 +94,23 @@ def class_of(cost: NodeCost, *, backward: bool = False) -> str:
     return f"{kind}/{_bucket(nbytes, BYTE_BOUNDS, _bytes_label)}"
 
 
+def kernel_kind(name: str) -> str:
+    """The kind of kernel a calibration class belongs to ("conv/64" -> "conv"): what its
+    launch time is kept by."""
+    return name.split("/", 1)[0]
+
+
 @dataclass(frozen=True)
 class Calibration:
     """Fitted factors of one device; see [Note: calibrated roofline]."""
 
     device: str  # the name the device reports, e.g. torch.cuda.get_device_name()
     factors: dict[str, tuple[float, float]]  # class -> (forward, backward) multiplier of roofline time
-    launch: tuple[float, float]  # GPU seconds per launched kernel (forward, backward)
+    launch: tuple[float, float]  # GPU seconds per launched kernel of a kind not in launches
     host: tuple[float, float]  # host seconds per launched node in eager mode (forward, backward)
     stage: dict[str, float] = field(default_factory=dict)  # execution mode -> a stage's fixed seconds
     fit: dict[str, Any] = field(default_factory=dict)  # how it was made and its error
+    launches: dict[str, tuple[float, float]] = field(default_factory=dict)  # kernel_kind -> (fwd, bwd) seconds
     schema: int = SCHEMA_VERSION
 
     def gpu_time(self, cost: NodeCost, *, compute: float, bandwidth: float, backward: bool) -> float:
@@ -111,11 +120,15 @@ class Calibration:
         name = class_of(cost, backward=backward)
         prefix, _, bucket = name.rpartition("/")
         if not bucket.endswith("iB"):  # a class by shape: one factor
-            return max(compute, nbytes / bandwidth) * self.factor(name, backward) + self.launch[int(backward)]
+            return max(compute, nbytes / bandwidth) * self.factor(name, backward) + self.launch_time(name, backward)
         top = BYTE_LABELS.index(bucket)
         seconds = max(self.factor(f"{prefix}/{BYTE_LABELS[j]}", backward)
                       * max(compute, min(nbytes, BYTE_LIMITS[j]) / bandwidth) for j in range(top + 1))
-        return seconds + self.launch[int(backward)]
+        return seconds + self.launch_time(name, backward)
+
+    def launch_time(self, name: str, backward: bool) -> float:
+        """The GPU seconds a launched kernel of class ``name`` adds besides its roofline."""
+        return self.launches.get(kernel_kind(name), self.launch)[int(backward)]
 
     def factor(self, name: str, backward: bool) -> float:
         """The fitted multiplier of class ``name`` (1 for a class the fit never saw)."""
@@ -134,9 +147,12 @@ class Calibration:
             bad = [k for k, v in factors.items() if not all(math.isfinite(x) and x >= 0 for x in v)]
             if bad:
                 raise ValueError(f"negative or non-finite factors for {', '.join(bad)}")
+            launches = {str(k): (float(v[0]), float(v[1])) for k, v in data.get("launches", {}).items()}
+            if not all(math.isfinite(x) and x >= 0 for v in launches.values() for x in v):
+                raise ValueError("negative or non-finite launch times")
             return cls(str(data["device"]), factors, tuple(map(float, data["launch"])),
                        tuple(map(float, data["host"])), {str(k): float(v) for k, v in data.get("stage", {}).items()},
-                       dict(data.get("fit", {})))
+                       dict(data.get("fit", {})), launches)
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise ConfigError(f"not a calibration table: {exc}") from exc
 

@@ -106,7 +106,9 @@ class GraphCosts:
             if cal is None:
                 seconds = np.maximum(flops / peak, nbytes / profile.mem_bandwidth) + profile.op_overhead
             else:
-                seconds = self._gpu_seconds(cal, flops / peak, nbytes, profile.mem_bandwidth, d) + cal.launch[d]
+                launch = np.array([cal.launch_time(fixed or prefix, bool(d))
+                                   for fixed, prefix in zip(k.fixed_class, k.prefix)])
+                seconds = self._gpu_seconds(cal, flops / peak, nbytes, profile.mem_bandwidth, d) + launch
                 host = np.full(len(seconds), cal.host[d])
                 if profile.mode.startswith("compiled"):
                     fused = np.where(k.matmul, 1.0, COMPILED_FUSION)
