@@ -171,7 +171,7 @@ def _memory(graph: GraphCosts, layout: Layout, starts: list[int], ends: list[int
     # Under autocast the tensors kept for backward are mostly the compute dtype's (a GEMM keeps
     # its cast inputs): priced like crossing values. On 2 x H100 (bf16, ViT-L/16 and ViT-H/14,
     # results/2026-11-25-h100x2-layout-choice.json) the traced fp32 bytes gave 1.4-2.6x the
-    # measured peak; see benchmarks/memory_prediction.py.
+    # measured peak; see benchmarks/layout_prediction.py.
     saved = graph.saved_ref * ratio * pricing.activation_bytes
     s_prefix = np.concatenate(([0.0], np.cumsum(saved)))
     worst = 0.0
