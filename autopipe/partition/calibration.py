@@ -22,12 +22,13 @@ backward pass:
   64 channels over 56x56 maps run at a quarter of the bandwidth 512 channels reach), pooling
   apart from other reductions.
 
-More numbers: the GPU time each launched kernel adds by its kind (the part of a class name
-before the first "/": a convolution's set-up, format conversions and tail, or an elementwise
-kernel's, and the gap before the next; what CUDA graph replays still pay; the squeeze-excite
-convolutions of EfficientNet, GEMMs of a few thousand FLOPs, take 10-15 us each on an H100), the host time each launched node costs in eager mode
-(Python, dispatch, launch; forward and autograd backward) and the fixed time of a stage in
-each mode (its first launch, autograd's start). In eager mode a node takes the longer of its
+More numbers: the GPU time each launched kernel adds, by its kind (the part of a class name
+before the first "/"): a convolution's set-up, format conversions and tail, or an elementwise
+kernel's, and the gap before the next; what CUDA graph replays still pay (EfficientNet's
+squeeze-excite convolutions, a few thousand FLOPs each, take 10-15 us on an H100). Then the
+host time each launched node costs in eager mode (Python, dispatch, launch; forward and
+autograd backward) and the fixed time of a stage in each mode (its first launch, autograd's
+start). In eager mode a node takes the longer of its
 GPU time and its host time, since the host runs ahead of the device where it can.
 
 [Note: monotone in bytes]
@@ -54,8 +55,8 @@ from typing import Any
 from autopipe.errors import ConfigError
 from autopipe.partition.cost import FREE_KINDS, MATMUL_KINDS, NodeCost
 
-__all__ = ["Calibration", "class_of", "kernel_kind", "load_calibration", "CALIBRATION_DIR", "DIM_BOUNDS", "BYTE_BOUNDS",
-           "BYTE_LABELS", "BYTE_LIMITS"]
+__all__ = ["Calibration", "class_of", "kernel_kind", "load_calibration", "CALIBRATION_DIR", "DIM_BOUNDS",
+           "BYTE_BOUNDS", "BYTE_LABELS", "BYTE_LIMITS"]
 
 SCHEMA_VERSION = 1
 CALIBRATION_DIR = os.path.join(os.path.dirname(__file__), "calibration")
