@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["init_ranks", "log", "max_over_ranks", "record_row", "peak_gib"]
+__all__ = ["init_ranks", "log", "max_over_ranks", "record_row", "peak_gib", "finish"]
 
 
 def init_ranks(smoke: bool) -> torch.device:
@@ -65,3 +65,13 @@ def record_row(rows: list[dict], row: dict[str, Any], fn: Callable[[], dict], de
     save()
     if flags[0] and not -flags[1]:
         raise RuntimeError(f"{row} failed on some ranks only; stopping")
+
+
+def finish(failures: list[str], device: torch.device) -> int:
+    """Print this rank's ``failures`` (rank 0 has them), end the process group, and return the
+    exit code every rank agrees on: 1 if any rank failed."""
+    for line in failures:
+        print("FAIL", line)
+    failed = max_over_ranks(float(bool(failures)), device)
+    dist.destroy_process_group()
+    return 1 if failed else 0

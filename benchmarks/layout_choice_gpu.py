@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 import autopipe  # noqa: E402
-from _ranks import init_ranks, log, peak_gib, record_row  # noqa: E402
+from _ranks import finish, init_ranks, log, peak_gib, record_row  # noqa: E402
 from autopipe.search import measure_links, plan_layout  # noqa: E402
 from autopipe.search.layouts import Layout  # noqa: E402
 
@@ -216,13 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     for spec in args.models.split(","):
         name, _, batch = spec.partition(":")
         run_model(name, int(batch or 64), args, device, links, rows, save)
-    failures = summarise(rows) if dist.get_rank() == 0 else []
-    for line in failures:
-        print("FAIL", line)
-    flag = torch.tensor([float(bool(failures))], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    dist.destroy_process_group()
-    return 1 if float(flag) else 0
+    return finish(summarise(rows) if dist.get_rank() == 0 else [], device)
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ sys.path.insert(0, HERE)
 import autopipe  # noqa: E402
 from autopipe.partition.device import PROFILES  # noqa: E402
 from autopipe.runtime.timeline import busy_seconds, gather, measured_bubble  # noqa: E402
-from _ranks import init_ranks, log, max_over_ranks, peak_gib, record_row  # noqa: E402
+from _ranks import finish, init_ranks, log, max_over_ranks, peak_gib, record_row  # noqa: E402
 
 MODELS = ("resnet50", "swin_base_patch4_window7_224", "vit_large_patch16_224")
 MAX_SPREAD, MIN_SPEEDUP = 0.05, 1.3
@@ -312,13 +312,7 @@ def main(argv: list[str] | None = None) -> int:
             record(rows, {"model": name, "cut": cut}, fn, device, save)
     text, failures = table(rows) if dist.get_rank() == 0 else ("", [])
     log(text)
-    if failures:
-        for line in failures:
-            print("FAIL", line)
-    flag = torch.tensor([float(bool(failures))], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    dist.destroy_process_group()
-    return 1 if float(flag) else 0
+    return finish(failures, device)
 
 
 if __name__ == "__main__":
