@@ -86,6 +86,7 @@ class GraphCosts:
         self.modules = [owning_module(n) for n in nodes]
         self._kernels = _KernelTable.of(self.costs)
         self._times: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+        self._launch: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def node_times(self, size: int, profile: DeviceProfile) -> tuple[np.ndarray, np.ndarray]:
         """(forward, backward) seconds of every node at ``size`` samples per micro-batch."""
@@ -106,9 +107,8 @@ class GraphCosts:
             if cal is None:
                 seconds = np.maximum(flops / peak, nbytes / profile.mem_bandwidth) + profile.op_overhead
             else:
-                launch = np.array([cal.launch_time(fixed or prefix, bool(d))
-                                   for fixed, prefix in zip(k.fixed_class, k.prefix)])
-                seconds = self._gpu_seconds(cal, flops / peak, nbytes, profile.mem_bandwidth, d) + launch
+                seconds = self._gpu_seconds(cal, flops / peak, nbytes, profile.mem_bandwidth, d) \
+                    + self._launches(cal)[d]
                 host = np.full(len(seconds), cal.host[d])
                 if profile.mode.startswith("compiled"):
                     fused = np.where(k.matmul, 1.0, COMPILED_FUSION)
@@ -122,6 +122,15 @@ class GraphCosts:
         if measured is not None:
             fwd, bwd = self._from_measured(measured, size, profile, fwd, bwd)
         return fwd, bwd
+
+    def _launches(self, cal: Calibration) -> tuple[np.ndarray, np.ndarray]:
+        """Each kernel's launch time under ``cal`` (forward, backward), made once per table."""
+        key = id(cal)
+        if key not in self._launch:
+            k = self._kernels
+            self._launch[key] = tuple(np.array([cal.launch_time(fixed or prefix, bool(d))
+                                                for fixed, prefix in zip(k.fixed_class, k.prefix)]) for d in (0, 1))
+        return self._launch[key]
 
     def _gpu_seconds(self, cal: Calibration, compute: np.ndarray, nbytes: np.ndarray, bandwidth: float,
                      direction: int) -> np.ndarray:
