@@ -50,7 +50,17 @@ WEIGHT_POWER = 0.5  # rows weighted by 1 / measured ** this
 
 
 # ---------------------------------------------------------------------------------- collect
-def rows_from_profiles(traced: Any, graphs: Any, eager: Any, model: str, microbatch: int) -> tuple[list, list]:
+def profile_name(device: str) -> str:
+    """The device profile whose roofline a GPU's rows are priced by (the factors multiply that
+    profile's plain roofline terms, so a table fitted on one profile's terms is only right for
+    that profile)."""
+    from autopipe.partition.device import gpu_profile_name
+
+    return gpu_profile_name(device)
+
+
+def rows_from_profiles(traced: Any, graphs: Any, eager: Any, model: str, microbatch: int,
+                       profile: str = "h100") -> tuple[list, list]:
     """Calibration rows of one model: a row per node (its kernels' device time from the CUDA-graph
     profile, its host time from the eager one, its roofline terms by class) and a row per profile
     segment (its own timings in both modes). The two profiles must share their segments."""
@@ -60,7 +70,7 @@ def rows_from_profiles(traced: Any, graphs: Any, eager: Any, model: str, microba
 
     if [(s.start, s.end) for s in graphs.segments] != [(s.start, s.end) for s in eager.segments]:
         raise ValueError("the graphs and eager profiles were cut into different segments")
-    base = PROFILES["h100"]
+    base = PROFILES[profile]
     costs = graph_costs(traced.gm)
     order = [n.name for n in traced.gm.graph.nodes if n.op != "output"]
     nodes: list[dict[str, Any]] = []
@@ -114,7 +124,8 @@ def collect(models: list[str], microbatches: list[int], reps: int, out: str, dev
             traced = trace(model, (default_input(model, mb, image_size=image_size),))
             profiles = {mode: profile_graph(traced, RunSetup(dev, mode, torch.bfloat16, reps=reps))
                         for mode in (("graphs", "eager") if dev.type == "cuda" else ("eager",))}
-            n, s = rows_from_profiles(traced, profiles.get("graphs", profiles["eager"]), profiles["eager"], name, mb)
+            n, s = rows_from_profiles(traced, profiles.get("graphs", profiles["eager"]), profiles["eager"], name, mb,
+                                      profile_name(device_name(dev)))
             offset = len(nodes)
             nodes += n
             segs += [dict(x, nodes=[i + offset for i in x["nodes"]]) for x in s]
@@ -124,16 +135,16 @@ def collect(models: list[str], microbatches: list[int], reps: int, out: str, dev
 
 
 # ---------------------------------------------------------------------------------- fit
-def refeature(nodes: list[dict]) -> None:
-    """Recompute every row's roofline terms with this checkout's cost model (the models are
-    traced again here on the meta device; the measured times are kept)."""
+def refeature(nodes: list[dict], profile: str) -> None:
+    """Recompute every row's roofline terms with this checkout's cost model on ``profile`` (the
+    models are traced again here on the meta device; the measured times are kept)."""
     from autopipe.models import default_input, load_model
     from autopipe.partition.calibration import kernel_features, kernel_kind
     from autopipe.partition.cost import graph_costs
     from autopipe.partition.device import PROFILES
     from autopipe.tracer import trace
 
-    base = PROFILES["h100"]
+    base = PROFILES[profile]
     costs: dict[tuple[str, int], Any] = {}
     for row in nodes:
         key = (row["model"], row["microbatch"])
@@ -328,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         collect(args.models.split(","), [int(x) for x in args.microbatch.split(",")], args.reps, args.out,
                 args.device, args.image_size)
         return 0
+    from autopipe.partition.device import PROFILES
+
     nodes, segs, meta = [], [], None
     for path in args.rows:
         with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as fh:
@@ -339,8 +352,10 @@ def main(argv: list[str] | None = None) -> int:
     if meta is None:
         raise SystemExit("no rows given")
     meta["models"] = sorted({r["model"] for r in nodes})
+    if args.name not in PROFILES:
+        raise SystemExit(f"--name {args.name!r} is not a device profile; one of {sorted(PROFILES)}")
     if not args.stored_features:
-        refeature(nodes)
+        refeature(nodes, args.name)
     table = report(nodes, segs, meta)
     from autopipe.partition.calibration import CALIBRATION_DIR
 

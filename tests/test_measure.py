@@ -224,11 +224,12 @@ def test_calibration_classes_and_table():
     assert classes["_0"] == "conv/4"  # a stem: 3 input channels
     assert classes["_1"] == "norm:batch/64ch"
     assert classes["_3"].startswith("dwconv/")
-    table = load_calibration("h100")
-    assert table is not None and table.device.startswith("NVIDIA H100")
-    assert all(f >= 0 for pair in table.factors.values() for f in pair)
-    assert table.fit["error"]["graphs"]["leave_one_model_out"]  # the fit reports its error
-    assert PROFILES["h100"].calibration == table
+    for name, gpu in (("h100", "NVIDIA H100"), ("h200", "NVIDIA H200")):
+        table = load_calibration(name)
+        assert table is not None and table.device.startswith(gpu)  # fitted on the GPU it names
+        assert all(f >= 0 for pair in table.factors.values() for f in pair)
+        assert table.fit["error"]["graphs"]["leave_one_model_out"]  # the fit reports its error
+        assert PROFILES[name].calibration == table
     with pytest.raises(ConfigError, match="not a calibration table"):
         Calibration.from_dict({"schema": 1, "device": "x", "factors": {"gemm/64": [-1, 1]}, "launch": [0, 0],
                                "host": [0, 0]})
