@@ -181,7 +181,7 @@ def parallelize(
     mode = execution_mode(cuda_graphs=cuda_graphs, compile_stages=compile_stages)
     front = plan_pipeline(
         model, example_inputs, pp=pp, chunks=chunks, tp=tp, microbatches=microbatches, schedule=schedule,
-        balance=balance, profile=default_profile(profile, device.type), mode=mode, shard_rules=shard_rules,
+        balance=balance, profile=default_profile(profile, device), mode=mode, shard_rules=shard_rules,
         sequence_parallel=sequence_parallel, leaf_modules=leaf_modules, exec_sequence=exec_sequence,
         split_mlps=split_mlps, cut=_measured_cut(costs, measure, device, mode, PRECISIONS[mixed_precision],
                                                  activation_checkpointing),
@@ -293,7 +293,7 @@ def _choose_layout(model: nn.Module, example_inputs: tuple, *, batch: Any, devic
         raise ConfigError(f"pp='auto' needs batch=, the global batch per step over every replica, got {batch!r}")
     world = dist.get_world_size() if dist.is_initialized() else 1
     device = resolve_device(device)
-    name = default_profile(profile, device.type)
+    name = default_profile(profile, device)
     memory = torch.cuda.get_device_properties(device).total_memory * 0.9 if device.type == "cuda" else None
     measured = None
     if isinstance(costs, MeasuredCosts) or (isinstance(costs, (str, os.PathLike)) and costs not in ("analytic", "measured")):

@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from .errors import ConfigError, positive_int
 from .models import default_input, load_model
-from .partition.device import DeviceProfile, get_profile
+from .partition.device import DeviceProfile, get_profile, gpu_profile_name
 from .partition.measured import MeasuredCosts
 from .partition.plan import PartitionPlan
 from .runtime.schedule import validate as validate_schedule
@@ -45,10 +45,18 @@ def default_schedule(chunks: int) -> str:
     return "1f1b" if chunks == 1 else "interleaved_1f1b"
 
 
-def default_profile(profile: str | DeviceProfile | None, device_type: str = "cuda") -> DeviceProfile:
-    """The cost model's device profile: ``profile`` when given, else the CPU's for a CPU run and
-    the H100's otherwise (a plan made without a device is for the GPU)."""
-    return get_profile(profile or ("cpu" if device_type == "cpu" else "h100"))
+def default_profile(profile: str | DeviceProfile | None, device: str | torch.device = "cuda") -> DeviceProfile:
+    """The cost model's device profile: ``profile`` when given, else the CPU's for a CPU run, the
+    profile of the GPU itself for a run on a GPU this process can see (h200 on an H200), and the
+    H100's otherwise (a plan made without a device is for the GPU)."""
+    if profile:
+        return get_profile(profile)
+    device = torch.device(device)
+    if device.type == "cpu":
+        return get_profile("cpu")
+    if device.type == "cuda" and torch.cuda.is_available():
+        return get_profile(gpu_profile_name(torch.cuda.get_device_name(device)))
+    return get_profile("h100")
 
 
 @dataclass(frozen=True)

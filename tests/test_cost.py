@@ -37,9 +37,11 @@ from autopipe.partition.device import (
     PROFILES,
     DeviceProfile,
     get_profile,
+    gpu_profile_name,
     measure_node_times,
     measure_profile,
 )
+from autopipe.planning import default_profile
 
 # --- graphs without autopipe.tracer --------------------------------------------------------
 
@@ -481,11 +483,12 @@ def test_node_time_monotone(name, kind, flops, nbytes, more_flops, more_bytes):
         assert p.node_time(_cost(kind, flops, nbytes + more_bytes), backward=backward) >= t
 
 
+@pytest.mark.parametrize("profile", ["h100", "h200"])
 @pytest.mark.parametrize("kind", ["elementwise", "norm", "reduction"])
-def test_calibrated_time_grows_across_byte_buckets(kind):
+def test_calibrated_time_grows_across_byte_buckets(kind, profile):
     """A calibration's classes by bytes change factor at each bucket's edge: one byte more
     must still not cost less ([Note: monotone in bytes])."""
-    p = get_profile("h100")
+    p = get_profile(profile)
     assert p.calibration is not None
     for edge, flops, backward in itertools.product(BYTE_BOUNDS, (1e3, 1e10), (False, True)):
         scale = 2 if backward else 1  # _cost's backward moves twice the bytes
@@ -519,6 +522,21 @@ def test_get_profile_and_json():
     assert mine.to_json()["schema_version"] == 2
     with pytest.raises(ConfigError, match="mem_bandwidth=0"):
         DeviceProfile("bad", 1e12, 1e11, 0, 1e9, 1e-5, 1e-6)
+
+
+def test_the_default_profile_is_the_gpu_a_run_is_on():
+    assert gpu_profile_name("NVIDIA H200") == "h200"
+    assert gpu_profile_name("NVIDIA H100 80GB HBM3") == "h100"
+    assert gpu_profile_name("NVIDIA A100-SXM4-80GB") == "h100"  # no table of its own: the H100's
+    assert default_profile(None, "cpu") is PROFILES["cpu"]
+    assert default_profile("h200", "cpu") is PROFILES["h200"]  # a profile given wins
+    mine = DeviceProfile("mine", 1e12, 1e11, 1e11, 1e9, 1e-5, 1e-6)
+    assert default_profile(mine, "cuda") is mine
+    if torch.cuda.is_available():
+        name = gpu_profile_name(torch.cuda.get_device_name(0))
+        assert default_profile(None, "cuda:0") is PROFILES[name]
+    else:  # planning for a GPU on a machine without one
+        assert default_profile(None, "cuda") is PROFILES["h100"]
 
 
 def test_measure_profile_cpu():

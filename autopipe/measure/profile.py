@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from autopipe.errors import ProfileError, positive_int
 from autopipe.partition import balance as balancer
-from autopipe.partition.device import DeviceProfile, get_profile
+from autopipe.partition.device import DeviceProfile, get_profile, gpu_profile_name
 from autopipe.partition.measured import MeasuredCosts, Segment, dtype_name, fingerprint, spread
 from autopipe.partition.cuts import cut_candidates
 from autopipe.partition.partitioner import analytic_seconds, partition_at
@@ -79,7 +79,7 @@ def profile_graph(traced: TracedModel, setup: RunSetup, *, segments: int | None 
     it with the same graph; ranks time a share of the segments each and gather the rest, and
     all of them return the same profile (rank 0's cache decides whether to time at all).
     """
-    analytic = get_profile(analytic or ("cpu" if setup.device.type == "cpu" else "h100"))
+    analytic = get_profile(analytic or ("cpu" if setup.device.type == "cpu" else gpu_profile_name(device_name(setup.device))))
     count = segments or DEFAULT_SEGMENTS[setup.mode]
     key = profile_key(traced, setup)
     rank, world = _rank_world(group)

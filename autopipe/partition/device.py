@@ -137,6 +137,12 @@ def execution_mode(*, cuda_graphs: bool = False, compile_stages: bool = False) -
         ("graphs" if cuda_graphs else "eager")
 
 
+def gpu_profile_name(device_name: str) -> str:
+    """The built-in profile for a GPU by the name it reports (``torch.cuda.get_device_name``):
+    "h200" for an H200, "h100" for any other (the profile a plan made without a GPU uses)."""
+    return "h200" if "H200" in device_name.upper() else "h100"
+
+
 def get_profile(name_or_profile: str | DeviceProfile) -> DeviceProfile:
     """A built-in profile by name (case-insensitive), or the profile given."""
     if isinstance(name_or_profile, DeviceProfile):
