@@ -5,11 +5,17 @@
 ROWS are the calibration rows ``measured_balance.py --calibration-rows`` or ``calibrate_device.py
 collect`` wrote on the GPU: every node's own forward + backward kernel time (the profiler's
 kernel records), per model and micro-batch size. For each model, micro-batch size and layout
-(pp=4, pp=8, pp=4 x 2 chunks) this plans with the uncalibrated h100 roofline and with the
-calibrated h100 model (nothing measured goes into either plan) and prices each plan's stages by
-the measured node times: the max/mean a CUDA-graph run of the plan would show, less the fixed
-cost every stage pays alike. It is a prediction from measurements, not a timed run of these
-plans: ``measured_balance.py --plans analytic`` times them on the GPU.
+(pp=4, pp=8, pp=4 x 2 chunks) this plans with the uncalibrated roofline and with the
+calibrated model of the GPU the rows came from (h100 or h200; nothing measured goes into either
+plan) and prices each plan's stages by the measured node times: the max/mean a CUDA-graph run
+of the plan would show, less the fixed cost every stage pays alike. It is a prediction from
+measurements, not a timed run of these plans: ``measured_balance.py --plans analytic`` times
+them on the GPU.
+
+A third plan is cut by the measured node times themselves ("node_times"): the balance this
+partitioner reaches when it knows every node's time exactly, the floor that no cost model
+can beat with these cut points (a stage can be no shorter than its largest node, and cuts fall
+only between nodes or MLP pieces).
 
 The calibration is fitted on the same models (in sample); ``calibrate_device.py fit`` reports
 the error on models left out of the fit. Target: <= 1.15.
@@ -32,6 +38,9 @@ from autopipe.models import default_input, load_model  # noqa: E402
 from autopipe.partition.device import PROFILES  # noqa: E402
 from autopipe.stages import mlp_pieces, plan_stages  # noqa: E402
 from autopipe.tracer import trace  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from calibrate_device import profile_name  # noqa: E402
 
 LAYOUTS = ((4, 1), (8, 1), (4, 2))
 TARGET = 1.15
@@ -65,27 +74,31 @@ def main(argv: list[str] | None = None) -> int:
         device = device or data["meta"]["device"]
         for r in data["nodes"]:
             truth.setdefault((r["model"], r["microbatch"]), {})[r["node"]] = r["fwd"]["device"] + r["bwd"]["device"]
-    profiles = {"uncalibrated": dataclasses.replace(PROFILES["h100"], calibration=None),
-                "analytic": PROFILES["h100"].with_mode("graphs")}
+    base = PROFILES[profile_name(device)]
+    profiles = {"uncalibrated": dataclasses.replace(base, calibration=None), "analytic": base.with_mode("graphs")}
     rows, failures = [], []
     for (name, mb), seconds in sorted(truth.items()):
         model = load_model(f"timm:{name}")
         traced = trace(model, (default_input(model, mb),))
         for pp, chunks in LAYOUTS:
             row: dict[str, Any] = {"model": name, "microbatch": mb, "pp": pp, "chunks": chunks}
-            for kind, profile in profiles.items():
+            for kind, profile, node_seconds in [*((k, p, None) for k, p in profiles.items()),
+                                                ("node_times", profiles["analytic"], seconds)]:
                 plan = plan_stages(traced, pp, chunks, device=profile, activation_dtype=torch.bfloat16,
-                                 microbatches=2 * pp, schedule="1f1b" if chunks == 1 else "interleaved_1f1b")
+                                   microbatches=2 * pp, schedule="1f1b" if chunks == 1 else "interleaved_1f1b",
+                                   node_seconds=node_seconds)
                 times = _stage_seconds(plan, seconds, traced)
                 row[kind] = {"stage_ms": [t * 1e3 for t in times],
                              "imbalance": max(times) / (sum(times) / len(times))}
             rows.append(row)
             print(f"{name:30s} mb {mb:3d} pp {pp}x{chunks}  uncalibrated {row['uncalibrated']['imbalance']:.3f}"
-                  f"  calibrated {row['analytic']['imbalance']:.3f}", flush=True)
+                  f"  calibrated {row['analytic']['imbalance']:.3f}"
+                  f"  by node times {row['node_times']['imbalance']:.3f}", flush=True)
             if row["analytic"]["imbalance"] > TARGET:
                 failures.append(f"{name} mb={mb} pp={pp}x{chunks}: {row['analytic']['imbalance']:.3f} > {TARGET}")
     with open(args.out, "w") as f:
-        json.dump({"device": device, "source": "node kernel times measured on the device; plans not timed",
+        json.dump({"device": device, "profile": profile_name(device),
+                   "source": "node kernel times measured on the device; plans not timed",
                    "rows": rows}, f, indent=1)
     print(f"{len(rows)} cases, {len(failures)} above {TARGET}")
     for line in failures:

@@ -12,6 +12,7 @@ from autopipe.partition.balance import (
     StageTime,
     check_starts,
     imbalance,
+    least_imbalance,
     overlapped_stage_times,
     solve,
     solve_overlapped,
@@ -139,6 +140,22 @@ def test_never_worse_than_uniform_or_params_splits(data):
     slack = 1e-9 * (sum(cost) + sum(cut_cost)) + 1e-12
     assert layered <= uniform + slack
     assert free <= min(by_params, layered) + slack
+
+
+@SMALL
+@given(st.lists(st.integers(1, 9).map(float), min_size=2, max_size=8), st.integers(1, 4), st.sampled_from([0.0, 2.0]))
+def test_least_imbalance_is_the_best_of_every_split(cost, n_stages, overhead):
+    n_stages = min(n_stages, len(cost))
+    best = min(imbalance([c + overhead for c in stage_costs(cost, [0, *chosen])])
+               for chosen in itertools.combinations(range(1, len(cost)), n_stages - 1))
+    assert least_imbalance(cost, n_stages, stage_overhead=overhead) == pytest.approx(best)
+
+
+def test_one_large_node_holds_the_floor_above_a_target():
+    cost = [6.0] + [1.0] * 18  # the large node alone is 6 of a 24/4 = 6 mean: fine at 4 stages
+    assert least_imbalance(cost, 4) == pytest.approx(1.0)
+    assert least_imbalance(cost, 8) == pytest.approx(6.0 / 3.0)  # at 8 stages it is twice the mean
+    assert least_imbalance(cost, 8, stage_overhead=3.0) == pytest.approx(9.0 / 6.0)
 
 
 def test_tie_broken_by_cut_cost_not_float_noise():

@@ -42,8 +42,11 @@ def plan_stages(traced: TracedModel, pp: int, chunks: int = 1, *, split_mlps: bo
     if not (split_mlps and args.get("balance", "cost") == "cost" and args.get("tp", 1) == 1
             and plan.imbalance > 1.0 + SPLIT_ABOVE):
         return plan
+    node_seconds: Mapping[str, float] | None = args.get("node_seconds")
     measured: MeasuredCosts | None = args.get("measured")
-    return _with_mlp_pieces(traced, plan, args, dict(measured.node_seconds) if measured is not None else None)
+    if node_seconds is None and measured is not None:
+        node_seconds = dict(measured.node_seconds)
+    return _with_mlp_pieces(traced, plan, args, node_seconds)
 
 
 def _with_mlp_pieces(traced: TracedModel, plan: PartitionPlan, args: dict[str, Any],
@@ -67,6 +70,7 @@ def _with_mlp_pieces(traced: TracedModel, plan: PartitionPlan, args: dict[str, A
     # Where the boundaries would go if cutting were free: each piece takes its share of the
     # unsplit nodes' time, the partial sums none. The plan made from real costs follows.
     fine_traced = pieces.cut_mlps(traced, fine)
+    args = {k: v for k, v in args.items() if k != "node_seconds"}  # priced here, piece by piece
     ideal = {}
     for node in fine_traced.gm.graph.nodes:
         if node.meta.get(pieces.PARTIAL_SUM):
@@ -74,7 +78,9 @@ def _with_mlp_pieces(traced: TracedModel, plan: PartitionPlan, args: dict[str, A
         elif pieces.PIECE_OF in node.meta:
             whole, share = node.meta[pieces.PIECE_OF]
             ideal[node.name] = share * seconds(whole)
-    fine_plan = partition(fine_traced, **args, node_seconds=ideal)  # measured or not: ideal
+        elif node_seconds is not None and node.name in node_seconds:
+            ideal[node.name] = node_seconds[node.name]
+    fine_plan = partition(fine_traced, **args, node_seconds=ideal)
     kept = pieces.coarse_pieces(fine, fine_plan.stage_of(), fine_traced.gm)
     if not kept:
         return plan
