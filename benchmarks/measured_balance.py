@@ -32,11 +32,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import gc
 import json
 import os
 import sys
 import tempfile
 import time
+import traceback
 from typing import Any
 
 import torch
@@ -136,6 +138,9 @@ def _print_row(row: dict[str, Any]) -> None:
 def failures(rows: list[dict[str, Any]]) -> list[str]:
     out = []
     for r in rows:
+        if "error" in r:
+            out.append(f"{r['model']} mb={r['microbatch']} {r['mode']}: failed, {r['error']}")
+            continue
         case = f"{r['model']} mb={r['microbatch']} {r['mode']} pp={r['pp']}x{r['chunks']}"
         if "measured" in r:
             m = r["measured"]
@@ -179,8 +184,16 @@ def main(argv: list[str] | None = None) -> int:
             traced = trace(model, (default_input(model, mb, image_size=args.image_size),))
             profiles: dict[str, Any] = {}
             for mode in args.modes.split(","):
-                rows += run_case(name, traced, mb, mode, layouts, args.reps, set(args.plans.split(",")),
-                                 args.device, profiles)
+                try:
+                    rows += run_case(name, traced, mb, mode, layouts, args.reps, set(args.plans.split(",")),
+                                     args.device, profiles)
+                except Exception as e:  # one case's failure is reported, and the others still run
+                    traceback.print_exc()
+                    rows.append({"model": name, "microbatch": mb, "mode": mode, "error": f"{type(e).__name__}: {e}"})
+                    print(f"{name} mb={mb} {mode}: {type(e).__name__}: {e}", flush=True)
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
             if args.calibration_rows and {"graphs", "eager"} <= profiles.keys():
                 n, s = calibrate_device.rows_from_profiles(
                     traced, profiles["graphs"], profiles["eager"], name, mb,

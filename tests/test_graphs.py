@@ -1,14 +1,20 @@
 """CUDA-graph slots: what can be checked without a GPU (the GPU equivalence runs in
-benchmarks/gpu_throughput.py, whose results are in docs/benchmarks.md)."""
+benchmarks/gpu_throughput.py, whose results are in docs/benchmarks.md), and the graphs' memory
+on a GPU."""
 from __future__ import annotations
+
+import gc
+import weakref
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 import autopipe
 from autopipe.errors import ConfigError
-from autopipe.runtime.graphs import slots_per_stage
+from autopipe.runtime.graphs import StageGraphs, slots_per_stage
+from autopipe.runtime.p2p import TensorSpec
 from autopipe.runtime.schedule import ActionKind, rank_actions
 from tests.models import MODELS
 
@@ -47,3 +53,24 @@ def test_cuda_graphs_are_refused_where_they_cannot_run() -> None:
         autopipe.parallelize(model, (x,), loss_fn=F.cross_entropy, cuda_graphs=True, device="cpu")
     with pytest.raises(ConfigError, match="tp=2"):
         autopipe.parallelize(model, (x,), tp=2, loss_fn=F.cross_entropy, cuda_graphs=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_graphs_no_longer_used_are_freed_before_the_next_capture():
+    """A stage's graphs sit in reference cycles; left to the collector, the memory pools of
+    stages timed one after another pile up until a capture fails. The next capture frees them."""
+    device = torch.device("cuda")
+    stage = nn.Sequential(nn.Linear(64, 64), nn.ReLU()).to(device)
+    specs = [TensorSpec((8, 64), torch.float32)]
+    enabled = gc.isenabled()
+    gc.disable()  # nothing but StageGraphs may collect here
+    try:
+        first = StageGraphs(stage, specs, [True], 1, device)
+        slot = weakref.ref(first._slots[0])
+        del first
+        StageGraphs(stage, specs, [True], 1, device)
+        assert slot() is None
+    finally:
+        if enabled:
+            gc.enable()

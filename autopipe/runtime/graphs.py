@@ -25,6 +25,7 @@ draws through the graph-safe generator.
 """
 from __future__ import annotations
 
+import gc
 from typing import Sequence
 
 import torch
@@ -76,6 +77,13 @@ class StageGraphs:
         self._slots = []
         buffers = list(stage.buffers())
         saved = [b.clone() for b in buffers]
+        # Graphs no longer used still hold their memory pools until the collector runs:
+        # make_graphed_callables's autograd Functions sit in reference cycles, and torch no
+        # longer collects before a capture. Where many stages are captured in turn (the stage
+        # timer tries one plan after another), that memory piles up until an allocation inside
+        # a capture fails and invalidates it ("operation failed due to a previous error
+        # during capture"). Collect once here, before this stage's captures.
+        gc.collect()
         for _ in range(slots):
             sample = stand_in_inputs(input_specs, grad_inputs, device)
             slot = _Slot(stage)
