@@ -117,7 +117,8 @@ def parallelize(
     ``microbatches=1``, one process on the global batch); "microbatch" updates them once per
     micro-batch on each replica, as an unmodified stage does.
     ``costs`` says what prices the nodes when cutting: "analytic" (the cost model of ``profile``,
-    calibrated for the GPU where the project has a table), "measured" (the graph timed on this
+    calibrated for the GPU where the project has a table; by default the profile of the GPU the
+    run is on, h200 on an H200 and h100 on others, and cpu on the CPU), "measured" (the graph timed on this
     device in the mode it will run, cached on disk, then the emitted stages timed and cut again
     while unbalanced; collective: ranks share the timing and agree on one plan), or a profile
     made by ``autopipe profile`` (a path or a MeasuredCosts; see [Note: measured costs]).
