@@ -189,3 +189,41 @@ def test_received_tensor_read_only_is_not_copied():
     stages = emit_stages(traced, plan)
     assert not [n for n in stages[1].graph.nodes if n.target is torch.clone]
     _leaf_chain([stages[0], stages[1]], image_batch(2))
+
+
+class _ChannelsLastBlock(torch.nn.Module):
+    """As timm's ConvNeXt: a pointwise layer on NHWC, permuted back, read by a depthwise conv."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.dw = torch.nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        x = self.fc(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)  # channels_last strides
+        x = self.dw(x)
+        return self.head(x.mean((2, 3)))
+
+
+def test_a_received_channels_last_value_is_restored_to_its_layout():
+    """See [Note: received layout]: the value arrives contiguous, the conv reads it as traced."""
+    model = _ChannelsLastBlock()
+    x = torch.randn(2, 8, 6, 6)
+    traced = trace(model, (x,))
+    plan = plan_stages(traced, 2, balance=["dw"], device="cpu")
+    stages = emit_stages(traced, plan)
+    restored = [n for n in stages[1].graph.nodes if n.target == "contiguous"]
+    assert [n.kwargs["memory_format"] for n in restored] == [torch.channels_last]
+    assert not [n for n in stages[0].graph.nodes if n.target == "contiguous"]  # stage 0 gets the model's input
+    seen = []
+    stages[1].get_submodule("dw").register_forward_pre_hook(
+        lambda _, args: seen.append(args[0].is_contiguous(memory_format=torch.channels_last)))
+    sent = stages[0](x)
+    received = tuple(t.detach().contiguous().requires_grad_(True) for t in sent)  # as p2p delivers it
+    assert not received[0].is_contiguous(memory_format=torch.channels_last)
+    out = stages[1](*received)[0]
+    assert seen == [True]
+    torch.testing.assert_close(out, model(x), rtol=1e-6, atol=1e-6)
+    out.sum().backward()
+    assert received[0].grad is not None and received[0].grad.shape == received[0].shape
