@@ -169,3 +169,20 @@ def test_a_tp_plan_prices_one_ranks_share_of_the_work(sequence_parallel):
     # ~0.5 of the FLOPs: norms, residuals and the replicated head keep a little more on each rank
     # (sequence parallelism splits the first two by sample as well).
     assert 0.45 < flops < 0.6, flops
+
+
+def test_the_plan_records_the_floor_that_one_large_node_sets():
+    """A node of 6 in 12 of work: at 4 stages (mean 3) no cut between nodes gets under 6 / 3."""
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(7)])
+    traced = trace(model, (torch.randn(4, 16),))
+    names = [n.name for n in traced.gm.graph.nodes if n.op == "call_module"]
+    seconds = {n: 1.0 for n in names}
+    seconds[names[3]] = 6.0
+    cpu = dataclasses.replace(get_profile("cpu"), link_latency=0.0, link_bandwidth=1e18)
+    plan = partition(traced, 4, device=cpu, node_seconds=seconds)
+    assert plan.floor == pytest.approx(6.0 / (sum(seconds.values()) / 4), rel=1e-3)
+    assert plan.imbalance == pytest.approx(plan.floor, rel=1e-3)  # the balancer reaches it
+    assert "at the floor of cuts between nodes, 2.000" in str(plan)
+    even = partition(traced, 7, device=cpu, node_seconds={n: 1.0 for n in names})  # a layer a stage
+    assert even.floor == pytest.approx(1.0) and "floor" not in str(even).split("\n")[0]
+    assert type(plan).from_dict(plan.to_dict()).floor == plan.floor

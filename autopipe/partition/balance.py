@@ -219,13 +219,15 @@ def imbalance(stage_costs: Sequence[float]) -> float:
     return 1.0 if mean == 0 else max(stage_costs) / mean
 
 
-def least_imbalance(cost: Sequence[float], n_stages: int, *, stage_overhead: float = 0.0) -> float:
+def least_imbalance(cost: Sequence[float], n_stages: int, *, stage_overhead: float = 0.0,
+                    allowed_cuts: Sequence[bool] | None = None) -> float:
     """The smallest max/mean that any split of ``cost`` into ``n_stages`` contiguous stages
     reaches, each stage also paying ``stage_overhead``: the floor of every plan that cuts only
     between these positions, however well it knows their costs. A stage can be no shorter than
     its largest position, so one large node (a stem's batch norm over 112x112 maps) can hold
-    the floor above a balance target whatever the cost model says."""
-    costs = stage_costs(cost, solve(cost, n_stages))
+    the floor above a balance target whatever the cost model says. ``allowed_cuts`` as for
+    :func:`solve`."""
+    costs = stage_costs(cost, solve(cost, n_stages, allowed_cuts=allowed_cuts))
     return imbalance([c + stage_overhead for c in costs])
 
 

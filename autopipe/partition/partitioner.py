@@ -186,6 +186,7 @@ def _partition(
     for stage, i, j in zip(plan.stages, starts, ends):
         stage.analytic_time = float(sum(analytic[i:j]))
     plan.cost_source = _cost_source(profile, measured)
+    plan.floor = balancer.least_imbalance(compute, n_stages, stage_overhead=overhead, allowed_cuts=allowed)
     return plan
 
 

@@ -73,6 +73,11 @@ class PartitionPlan:
     cost_source: dict[str, Any] = field(default_factory=dict)
     # How the closed loop went (measure/closed_loop.py): one entry per round of timing.
     refinement: list[dict[str, Any]] = field(default_factory=list)
+    # The least max/mean of the stages' compute that any split between whole nodes reaches, by
+    # the same node prices (balance.least_imbalance): where ``imbalance`` sits at it, one node
+    # is too large a share of a stage and only fewer stages (or an MLP cut in pieces) balance
+    # better. None for plans made before it was recorded.
+    floor: float | None = None
 
     @property
     def num_stages(self) -> int:

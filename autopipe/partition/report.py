@@ -121,8 +121,15 @@ def _header(plan: PartitionPlan) -> str:
         f" = {stages} stage{'s' if stages != 1 else ''}, {plan.microbatches} micro-batch"
         f"{'es' if plan.microbatches != 1 else ''} of size {plan.microbatch_size}, balance {plan.balance},"
         f" device {plan.device}, schedule {plan.schedule}, {human_count(plan.total_params)} params,"
-        f" imbalance {plan.imbalance:.3f} (max/mean){_measured_note(plan)}; {_source(plan)}"
+        f" imbalance {plan.imbalance:.3f} (max/mean{_floor_note(plan)}){_measured_note(plan)}; {_source(plan)}"
     )
+
+
+def _floor_note(plan: PartitionPlan) -> str:
+    """The floor where the plan sits on it: no cut between nodes balances better."""
+    if plan.floor is None or plan.imbalance > plan.floor * 1.005 or plan.floor < 1.02:
+        return ""
+    return f"; at the floor of cuts between nodes, {plan.floor:.3f}: a node is a large share of a stage"
 
 
 def _measured_note(plan: PartitionPlan) -> str:
