@@ -7,7 +7,7 @@ import torch
 from autopipe.stages.emit import emit_stages, run_chain
 from autopipe.errors import ConfigError, PartitionError
 from autopipe.stages.mlp_pieces import merge_pieces, piece_params
-from autopipe.partition.partitioner import partition
+from autopipe.partition.partitioner import partition, partition_at
 from autopipe.stages import plan_stages
 from autopipe.tracer import trace
 from tests.models import MODELS, image_batch, logits
@@ -227,3 +227,31 @@ def test_a_received_channels_last_value_is_restored_to_its_layout():
     torch.testing.assert_close(out, model(x), rtol=1e-6, atol=1e-6)
     out.sum().backward()
     assert received[0].grad is not None and received[0].grad.shape == received[0].shape
+
+
+def test_nodes_a_stage_adds_take_no_name_of_the_model():
+    """The restore copy and the clone of a received value are named apart from the model's
+    nodes, which keep their own names in the stage (kernel times are read by name)."""
+
+    class Named(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(3, 3)
+
+        def forward(self, x):
+            x = self.fc(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)  # channels_last strides
+            y = x.contiguous() * 2  # a model node named 'contiguous'
+            z = y.clone()  # and one named 'clone'
+            return x.relu_() + z  # the received value mutated: the stage copies it
+
+    traced = trace(Named(), (torch.randn(2, 3, 4, 4),))
+    order = [n.name for n in traced.gm.graph.nodes if n.op != "output"]
+    assert {"contiguous", "clone"} <= set(order)
+    plan = partition_at(traced, [0, order.index("contiguous")], device="cpu")
+    stage = emit_stages(traced, plan)[1]
+    names = {n.name for n in stage.graph.nodes}
+    assert set(plan.stages[1].nodes) <= names  # the model's nodes under their own names
+    added = {n.name: n.target for n in stage.graph.nodes if n.op != "output"}.items()
+    extra = {name: target for name, target in added if name not in order and name not in
+             {c.name for c in plan.stages[1].inputs}}
+    assert extra == {"permute_1_layout": "contiguous", "permute_1_copy": torch.clone}

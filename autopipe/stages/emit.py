@@ -128,6 +128,16 @@ def _received_layout(value: Any) -> torch.memory_format | None:
     return None
 
 
+def _fresh_name(base: str, taken: Any) -> str:
+    """A name for a node the stage adds that no node of the model has: created before the
+    model's nodes are copied in, a name of theirs would push one of them to another name, and
+    kernel times are read by node name (measure/kernels.py)."""
+    name = base
+    while name in taken:
+        name += "_"
+    return name
+
+
 def emit_stage(traced: TracedModel, plan: PartitionPlan, index: int) -> fx.GraphModule:
     """The GraphModule of stage ``index``; call it with the stage's inputs in plan order."""
     src = cut_mlps(traced, plan.mlp_pieces).gm
@@ -143,7 +153,8 @@ def emit_stage(traced: TracedModel, plan: PartitionPlan, index: int) -> fx.Graph
         env[by_name[cut.name]] = ph
         layout = _received_layout(value_of(by_name[cut.name]))
         if layout is not None:  # see [Note: received layout]
-            restored = graph.call_method("contiguous", (ph,), {"memory_format": layout})
+            restored = graph.create_node("call_method", "contiguous", (ph,), {"memory_format": layout},
+                                         name=_fresh_name(f"{cut.name}_layout", by_name))
             restored.meta.update(ph.meta)
             env[by_name[cut.name]] = restored
 
@@ -151,7 +162,8 @@ def emit_stage(traced: TracedModel, plan: PartitionPlan, index: int) -> fx.Graph
     # of it, would fail, so copy it first. See [Note: received tensors mutated in place].
     mutated = [original for original in env if _mutated_through_aliases(original, members, src)]
     for original in mutated:
-        clone = graph.call_function(torch.clone, (env[original],))
+        clone = graph.create_node("call_function", torch.clone, (env[original],),
+                                  name=_fresh_name(f"{original.name}_copy", by_name))
         clone.meta.update(original.meta)
         env[original] = clone
 
