@@ -35,12 +35,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from autopipe.models import default_input, load_model  # noqa: E402
-from autopipe.partition.device import PROFILES  # noqa: E402
+from autopipe.partition.device import PROFILES, gpu_profile_name  # noqa: E402
 from autopipe.stages import mlp_pieces, plan_stages  # noqa: E402
 from autopipe.tracer import trace  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from calibrate_device import profile_name  # noqa: E402
 
 LAYOUTS = ((4, 1), (8, 1), (4, 2))
 TARGET = 1.15
@@ -74,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         device = device or data["meta"]["device"]
         for r in data["nodes"]:
             truth.setdefault((r["model"], r["microbatch"]), {})[r["node"]] = r["fwd"]["device"] + r["bwd"]["device"]
-    base = PROFILES[profile_name(device)]
+    base = PROFILES[gpu_profile_name(device)]
     profiles = {"uncalibrated": dataclasses.replace(base, calibration=None), "analytic": base.with_mode("graphs")}
     rows, failures = [], []
     for (name, mb), seconds in sorted(truth.items()):
@@ -97,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             if row["analytic"]["imbalance"] > TARGET:
                 failures.append(f"{name} mb={mb} pp={pp}x{chunks}: {row['analytic']['imbalance']:.3f} > {TARGET}")
     with open(args.out, "w") as f:
-        json.dump({"device": device, "profile": profile_name(device),
+        json.dump({"device": device, "profile": gpu_profile_name(device),
                    "source": "node kernel times measured on the device; plans not timed",
                    "rows": rows}, f, indent=1)
     print(f"{len(rows)} cases, {len(failures)} above {TARGET}")

@@ -50,20 +50,13 @@ WEIGHT_POWER = 0.5  # rows weighted by 1 / measured ** this
 
 
 # ---------------------------------------------------------------------------------- collect
-def profile_name(device: str) -> str:
-    """The device profile whose roofline a GPU's rows are priced by (the factors multiply that
-    profile's plain roofline terms, so a table fitted on one profile's terms is only right for
-    that profile)."""
-    from autopipe.partition.device import gpu_profile_name
-
-    return gpu_profile_name(device)
-
-
 def rows_from_profiles(traced: Any, graphs: Any, eager: Any, model: str, microbatch: int,
                        profile: str = "h100") -> tuple[list, list]:
     """Calibration rows of one model: a row per node (its kernels' device time from the CUDA-graph
     profile, its host time from the eager one, its roofline terms by class) and a row per profile
-    segment (its own timings in both modes). The two profiles must share their segments."""
+    segment (its own timings in both modes). The two profiles must share their segments. The
+    roofline terms are those of ``profile``: a table's factors multiply them, so a table is right
+    only for the profile it was fitted on."""
     from autopipe.partition.calibration import kernel_features
     from autopipe.partition.cost import graph_costs
     from autopipe.partition.device import PROFILES
@@ -112,6 +105,7 @@ def collect(models: list[str], microbatches: list[int], reps: int, out: str, dev
     from autopipe.measure import RunSetup, profile_graph
     from autopipe.measure.timer import device_name
     from autopipe.models import default_input, load_model
+    from autopipe.partition.device import gpu_profile_name
     from autopipe.tracer import trace
 
     dev = torch.device(device)
@@ -125,7 +119,7 @@ def collect(models: list[str], microbatches: list[int], reps: int, out: str, dev
             profiles = {mode: profile_graph(traced, RunSetup(dev, mode, torch.bfloat16, reps=reps))
                         for mode in (("graphs", "eager") if dev.type == "cuda" else ("eager",))}
             n, s = rows_from_profiles(traced, profiles.get("graphs", profiles["eager"]), profiles["eager"], name, mb,
-                                      profile_name(device_name(dev)))
+                                      gpu_profile_name(device_name(dev)))
             offset = len(nodes)
             nodes += n
             segs += [dict(x, nodes=[i + offset for i in x["nodes"]]) for x in s]

@@ -49,7 +49,7 @@ from autopipe.measure import MeasureOptions, ProfileCache, RunSetup, measured_pl
 from autopipe.measure.timer import device_name  # noqa: E402
 from autopipe.models import default_input, load_model  # noqa: E402
 from autopipe.partition.balance import least_imbalance  # noqa: E402
-from autopipe.partition.device import PROFILES  # noqa: E402
+from autopipe.partition.device import PROFILES, gpu_profile_name  # noqa: E402
 from autopipe.stages import plan_stages  # noqa: E402
 from autopipe.tracer import trace  # noqa: E402
 
@@ -85,7 +85,7 @@ def run_case(name: str, traced: Any, mb: int, mode: str, layouts: tuple, reps: i
     base = {"model": name, "microbatch": mb, "mode": mode, "profile_seconds": profile_s,
             "cached_profile_seconds": cached_s,
             "cache_hit": again is not None and again.segments == measured.segments}
-    gpu = PROFILES[calibrate_device.profile_name(device_name(setup.device))]
+    gpu = PROFILES[gpu_profile_name(device_name(setup.device))]
     calibrated = gpu.with_mode(mode)
     profiles = {"uncalibrated": dataclasses.replace(gpu, calibration=None),
                 "analytic": calibrated}
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.calibration_rows and {"graphs", "eager"} <= profiles.keys():
                 n, s = calibrate_device.rows_from_profiles(
                     traced, profiles["graphs"], profiles["eager"], name, mb,
-                    calibrate_device.profile_name(device_name(args.device)))
+                    gpu_profile_name(device_name(args.device)))
                 offset = len(cal_nodes)
                 cal_nodes += n
                 cal_segs += [dict(x, nodes=[i + offset for i in x["nodes"]]) for x in s]
