@@ -91,6 +91,39 @@ def test_the_partitioner_cuts_an_mlp_when_that_balances_better():
     assert "MLP cut across stages: blocks." in str(plan)
 
 
+class _Stacked(torch.nn.Module):
+    """Branches of linear stacks: in Linear-GELU-Linear-Linear-GELU-Linear the middle pair
+    of linears would also look like an MLP (no ops between them)."""
+
+    def __init__(self, width: int = 64, k: int = 3):
+        super().__init__()
+        block = lambda out: torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU(),  # noqa: E731
+                                                torch.nn.Linear(width, out))
+        self.a = torch.nn.ModuleList(block(width) for _ in range(k))
+        self.b = torch.nn.ModuleList(block(10) for _ in range(k))
+
+    def forward(self, x):
+        return sum(b(a(x)) for a, b in zip(self.a, self.b))
+
+
+def test_mlps_sharing_a_linear_are_cut_once(recwarn):
+    from autopipe.stages.mlp_pieces import find_mlps
+
+    torch.manual_seed(0)
+    model = _Stacked().double()
+    x = torch.randn(2, 64, dtype=torch.float64)
+    traced = trace(model, (x,))
+    found = [(m.fc1.target, m.fc2.target) for m in find_mlps(traced.gm)]
+    assert sorted(found) == sorted((f"{s}.{i}.0", f"{s}.{i}.2") for i in range(3) for s in "ab")
+    # Cut into many stages, the pieces' plan balances better than whole MLPs, and runs the model.
+    plain = partition(traced, 6, device="cpu")
+    plan = plan_stages(traced, 3, chunks=2, device="cpu")
+    assert plan.num_stages == 6 and plan.imbalance <= plain.imbalance
+    out = run_chain(list(emit_stages(traced, plan).values()), x)
+    torch.testing.assert_close(out, traced.gm(x), rtol=1e-12, atol=1e-12)
+    assert not [w for w in recwarn if "erase_node" in str(w.message)]
+
+
 def test_bad_pieces_are_refused():
     traced = trace(_model(), (_x(),))
     with pytest.raises(PartitionError, match="'blocks.0.attn.qkv'"):

@@ -167,15 +167,18 @@ def find_mlps(gm: fx.GraphModule) -> list[Mlp]:
 
     Each linear is its module's only call with one input; each node from fc1 up to fc2 has a
     single user, the next; the chain's ops are elementwise on that one tensor (activations,
-    dropout, arithmetic with constants); fc2 reads fc1's width.
+    dropout, arithmetic with constants); fc2 reads fc1's width. MLPs share no linear: in a
+    stack (Linear, GELU, Linear, GELU, Linear) the first pair is one, the third linear alone
+    is none.
     """
     calls: dict[str, int] = {}
     for n in gm.graph.nodes:
         if n.op == "call_module":
             calls[n.target] = calls.get(n.target, 0) + 1
     found = []
+    taken: set[fx.Node] = set()  # the linears of the MLPs found so far
     for fc1 in gm.graph.nodes:
-        if not _is_linear(fc1, gm) or calls[fc1.target] != 1 or len(fc1.args) != 1 or fc1.kwargs:
+        if not _is_linear(fc1, gm) or calls[fc1.target] != 1 or len(fc1.args) != 1 or fc1.kwargs or fc1 in taken:
             continue
         chain, node = [], fc1
         while len(node.users) == 1:
@@ -186,6 +189,7 @@ def find_mlps(gm: fx.GraphModule) -> list[Mlp]:
                       and gm.get_submodule(nxt.target).in_features == hidden and hidden >= 2 * HIDDEN_ALIGN)
                 if ok:
                     found.append(Mlp(fc1, tuple(chain), nxt))
+                    taken.update((fc1, nxt))
                 break
             out = value_of(nxt)
             if not (ops.is_elementwise(nxt, gm) and not ops.is_samplewise(nxt, gm) and _sole_tensor_input(nxt) is node

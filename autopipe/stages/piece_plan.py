@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ..errors import ConfigError
+from ..errors import ConfigError, PartitionError
 from ..partition.measured import MeasuredCosts
 from ..partition.partitioner import analytic_seconds, partition
 from ..partition.plan import PartitionPlan
@@ -80,7 +80,10 @@ def _with_mlp_pieces(traced: TracedModel, plan: PartitionPlan, args: dict[str, A
             ideal[node.name] = share * seconds(whole)
         elif node_seconds is not None and node.name in node_seconds:
             ideal[node.name] = node_seconds[node.name]
-    fine_plan = partition(fine_traced, **args, node_seconds=ideal)
+    try:
+        fine_plan = partition(fine_traced, **args, node_seconds=ideal)
+    except PartitionError:  # the pieces leave fewer places to cut than the stages need
+        return plan
     kept = pieces.coarse_pieces(fine, fine_plan.stage_of(), fine_traced.gm)
     if not kept:
         return plan
@@ -94,7 +97,10 @@ def _with_mlp_pieces(traced: TracedModel, plan: PartitionPlan, args: dict[str, A
                 split_seconds[node.name] = share * seconds(whole)
             elif node.name in node_seconds and not node.meta.get(pieces.PARTIAL_SUM):
                 split_seconds[node.name] = node_seconds[node.name]
-    split = partition(split_traced, **args, node_seconds=split_seconds)
+    try:
+        split = partition(split_traced, **args, node_seconds=split_seconds)
+    except PartitionError:
+        return plan
     split.mlp_pieces = kept
     largest = max(s.cost for s in plan.stages)
     return split if max(s.cost for s in split.stages) < largest * (1.0 - SPLIT_GAIN) else plan
