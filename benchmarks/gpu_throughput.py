@@ -293,7 +293,8 @@ class Bench:
                 out["busy_ms"] = [round(busy[r] * 1e3, 1) for r in sorted(busy)]
                 out["busy_spread"] = round(max(busy.values()) / min(busy.values()) - 1, 3)
                 out["bubble"] = round(measured_bubble(events), 3)
-        del pm, opt
+        del opt
+        pm.close()
         return out
 
     # --- torch.distributed.pipelining, stages split by blocks like autopipe's ViT plans

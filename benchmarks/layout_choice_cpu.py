@@ -6,9 +6,11 @@ Two gloo processes of one thread each (these machines have 2 cores). For each mo
 timm ViT and a small torchvision ResNet, 32x32 images):
 1. the links are measured (``measure_links``: point to point and all-reduce over gloo), the
    driver's host time per compute is measured on a one-layer model, the optimizer's per
-   parameter tensor on copies of the model's parameters, and the graph is profiled
-   on the CPU at every micro-batch size a layout uses (``profile_graph``, both processes
-   timing a share at once, as they train);
+   parameter tensor on copies of the model's parameters, a pipeline rank's per tensor sent
+   or received on another model (``transfer_overhead``: four tensors cross its stage boundary;
+   the overhead that best fits its measured pipelines), and the graph is profiled on the CPU
+   at every micro-batch size a layout uses, plain and with activation checkpointing
+   (``profile_graph``, both processes timing a share at once, as they train);
 2. the search prices every layout it enumerates for 2 processes: pp=2, tp=2, dp=2 with their
    micro-batch, schedule, chunk, sequence-parallel and checkpointing variants;
 3. every one of those layouts is built with ``parallelize`` and timed: a train step and an AdamW
@@ -30,6 +32,7 @@ import sys
 import time
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -100,6 +103,71 @@ def tensor_overhead(model: nn.Module, bandwidth: float) -> float:
     return max(seconds - moved, 0.0) / len(params)
 
 
+class Fan(nn.Module):
+    """Four branches whose outputs cross a pipeline cut together (four tensors a transfer),
+    each two small MLPs: what ``transfer_overhead`` times."""
+
+    def __init__(self, width: int = 256, k: int = 4) -> None:
+        super().__init__()
+        mlp = lambda out: nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, out))  # noqa: E731
+        self.a = nn.ModuleList(mlp(width) for _ in range(k))
+        self.b = nn.ModuleList(mlp(10) for _ in range(k))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(b(a(x)) for a, b in zip(self.a, self.b))
+
+
+FAN_LAYOUTS = ("pp2 tp1 dp1 m4 1f1b", "pp2 tp1 dp1 m8 1f1b", "pp2 tp1 dp1 m16 1f1b", "pp2 tp1 dp1 m8 gpipe",
+               "pp2 tp1 dp1 m4 v2 interleaved_1f1b", "pp2 tp1 dp1 m8 v2 interleaved_1f1b")
+
+
+def transfer_overhead(links: Any, overhead: float, per_tensor: float, cpu: Any, batch: int = 16) -> tuple[float, list]:
+    """Host seconds a pipeline rank spends per tensor it sends or receives (gloo's post, the
+    thread that waits on it, the hand-back, on cores the compute shares): the pipelines of
+    FAN_LAYOUTS measured on ``Fan``, and the overhead (0 to 1 ms, 25 us apart) whose
+    predictions fit them best (least mean squared log error). Returns it and the fit's rows."""
+    import autopipe
+    from autopipe.measure import RunSetup, profile_graph
+    from autopipe.search import plan_layout
+    from autopipe.tracer import trace
+
+    def loss(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(o.flatten(0, 1), t.flatten())
+
+    torch.manual_seed(0)
+    model = Fan()
+    sizes = sorted({batch // int(name.split()[3][1:]) for name in FAN_LAYOUTS})
+    profiles = [profile_graph(trace(model, (torch.randn(n, 64, 256),)), RunSetup("cpu", reps=5, warmup=2), segments=8)
+                for n in sizes]
+    grid = [i * 25e-6 for i in range(41)]
+    predicted: dict[str, list[float]] = {}
+    layouts = {}
+    for x in grid:
+        result = plan_layout(model, devices=2, batch=batch, device=cpu, links=links, measured=profiles,
+                             example_inputs=(torch.randn(sizes[0], 64, 256),), mixed_precision=None,
+                             modes=("eager",), action_overhead=overhead, tensor_overhead=per_tensor,
+                             transfer_overhead=x, recompute_options=(False,), exact=10**6, timeline=False)
+        for p in result.ranked:
+            name = str(p.layout).removesuffix(" eager")
+            if name in FAN_LAYOUTS:
+                predicted.setdefault(name, []).append(p.step_seconds)
+                layouts[name] = p.layout
+    g = torch.Generator().manual_seed(1)
+    x_in, y_in = torch.randn(batch, 64, 256, generator=g), torch.randint(0, 10, (batch, 64), generator=g)
+    measured = {}
+    for name in FAN_LAYOUTS:
+        layout = layouts[name]
+        torch.manual_seed(0)
+        pm = autopipe.parallelize(Fan(), (torch.randn(layout.microbatch_size(batch), 64, 256),), loss_fn=loss,
+                                  device="cpu", **layout.parallelize_kwargs())
+        measured[name] = _time_steps(pm, (x_in, y_in), 5, 2)
+        pm.close()
+    fit = [sum(float(np.log(predicted[n][i] / measured[n])) ** 2 for n in FAN_LAYOUTS) for i in range(len(grid))]
+    best = int(np.argmin(fit))
+    rows = [{"layout": n, "measured": measured[n], "predicted": predicted[n][best]} for n in FAN_LAYOUTS]
+    return grid[best], rows
+
+
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -115,6 +183,10 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any)
     links = measure_links("cpu")
     overhead = driver_overhead()
     cpu = measure_profile("cpu")
+    per_transfer, fan_rows = transfer_overhead(links, overhead, tensor_overhead(Fan(), cpu.mem_bandwidth), cpu)
+    if rank == 0:
+        print(f"transfer overhead {per_transfer * 1e6:.0f} us per tensor; fitted on " + ", ".join(
+            f"{r['layout']} {r['predicted'] / r['measured'] - 1:+.0%}" for r in fan_rows), flush=True)
     rows = []
     for name in args.models.split(","):
         torch.manual_seed(0)
@@ -122,15 +194,18 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any)
         floor, _ = min_microbatch(trace(model, (torch.randn(args.batch, 3, 32, 32),)))  # BatchNorm's least
         sizes = sorted({layout.microbatch_size(args.batch) for layout, _, _ in
                         layout_space.layouts(world, args.batch, modes=("eager",)) if layout is not None} - set(range(floor)))
-        profiles = {}
+        profiles = []
         for size in sizes:
             traced = trace(model, (torch.randn(size, 3, 32, 32),))
-            profiles[size] = profile_graph(traced, RunSetup("cpu", reps=5, warmup=2), segments=8)
+            for recompute in (False, True):
+                profiles.append(profile_graph(traced, RunSetup("cpu", reps=5, warmup=2, recompute=recompute),
+                                              segments=8))
         per_tensor = tensor_overhead(model, cpu.mem_bandwidth)
         result = plan_layout(model, devices=world, batch=args.batch, device=cpu, links=links, measured=profiles,
                              example_inputs=(torch.randn(sizes[0], 3, 32, 32),), mixed_precision=None,
                              modes=("eager",), action_overhead=overhead,
-                             tensor_overhead=per_tensor, exact=10**6, timeline=False)
+                             tensor_overhead=per_tensor, transfer_overhead=per_transfer, exact=10**6,
+                             timeline=False)
         g = torch.Generator().manual_seed(1)
         x, y = torch.randn(args.batch, 3, 32, 32, generator=g), torch.randint(0, 10, (args.batch,), generator=g)
         # Each rank's own timings may order near-equal layouts differently: rank 0's search decides
@@ -152,10 +227,11 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any)
             if rank == 0:
                 print(f"{name:6s} {str(layout):44s} predicted {p.step_seconds * 1e3:7.1f} ms  measured "
                       f"{measured * 1e3:7.1f} ms  {p.step_seconds / measured - 1:+.1%}", flush=True)
-            del pm
+            pm.close()  # its groups and threads would slow the layouts timed after it
         if rank == 0:
             rows.append({"model": name, "chosen": str(result.best.layout), "search_seconds": result.seconds,
-                         "links": links.source, "driver_overhead": overhead,
+                         "links": links.source, "driver_overhead": overhead, "transfer_overhead": per_transfer,
+                         "transfer_fit": fan_rows,
                          "tensor_overhead": per_tensor, "link_model": dataclasses.asdict(links)})
     if rank == 0:
         out.put(rows)

@@ -8,7 +8,8 @@
 
 For each timm model and global batch (``name:batch``), on the GPUs of this torchrun world:
 1. the links are measured (``measure_links``, with 2 GPUs or more);
-2. rank 0 searches (``plan_layout``: the calibrated analytic model of ``--profile``, the measured
+2. rank 0 searches (``plan_layout``: the calibrated analytic model of ``--profile`` (the GPU's own by
+   default), the measured
    links, 90% of the GPU's memory as the budget, the execution modes of ``--modes``) and every
    rank gets its ranking, as ``parallelize(pp="auto")`` does;
 3. measured: the search's top ``--top`` layouts, and on several GPUs the best pp-only, tp-only and
@@ -46,6 +47,7 @@ sys.path.insert(0, HERE)
 
 import autopipe  # noqa: E402
 from _ranks import finish, init_ranks, log, peak_gib, record_row  # noqa: E402
+from autopipe.planning import default_profile  # noqa: E402
 from autopipe.search import measure_links, plan_layout  # noqa: E402
 from autopipe.search.layouts import Layout  # noqa: E402
 
@@ -74,7 +76,7 @@ def select(ranked: list, devices: int, top: int, extra: int) -> list:
         for degree in ("pp", "tp", "dp"):
             add(next((p for p in ranked if getattr(p.layout, degree) == devices), None))
     else:
-        keys = (lambda l: l.mode, lambda l: l.microbatches, lambda l: l.recompute)
+        keys = (lambda l: l.mode, lambda l: l.recompute, lambda l: l.microbatches)
         added = 0
         for key in keys:
             seen = {key(p.layout) for p in chosen}
@@ -94,7 +96,7 @@ def time_layout(model: nn.Module, layout: Layout, layout_prediction: float, batc
     begin = time.perf_counter()
     pm = autopipe.parallelize(model, (torch.randn(size, 3, img, img),), loss_fn=F.cross_entropy, device=device,
                               mixed_precision=None if args.smoke else "bf16", profile=None if args.smoke else
-                              args.profile, **layout.parallelize_kwargs())
+                              args.profile or None, **layout.parallelize_kwargs())
     build_s = time.perf_counter() - begin
     pm.train()
     per = batch // layout.dp
@@ -119,7 +121,8 @@ def time_layout(model: nn.Module, layout: Layout, layout_prediction: float, batc
             times.append(float(seconds))
         if i == 0:
             first = float(seconds)
-    del pm, opt
+    del opt
+    pm.close()
     return {"measured": statistics.median(times), "spread": (max(times) - min(times)) / statistics.median(times),
             "build_s": build_s, "first_step_s": first, "peak_gib": peak_gib(device),
             "error": layout_prediction / statistics.median(times) - 1}
@@ -135,7 +138,8 @@ def run_model(name: str, batch: int, args: argparse.Namespace, device: torch.dev
     img = 32 if args.smoke else 224
     result = [None]
     if dist.get_rank() == 0:
-        result[0] = plan_layout(model, devices=world, batch=batch, device="cpu" if args.smoke else args.profile,
+        profile = "cpu" if args.smoke else default_profile(args.profile or None, device)
+        result[0] = plan_layout(model, devices=world, batch=batch, device=profile,
                                 memory=memory, links=links, example_inputs=(torch.randn(1, 3, img, img),),
                                 mixed_precision=None if args.smoke else "bf16", modes=modes, exact=10**6,
                                 timeline=False)
@@ -192,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default="vit_large_patch16_224:256,vit_huge_patch14_224:128",
                         help="comma-separated timm_name:global_batch")
     parser.add_argument("--modes", default="eager,graphs,compiled,compiled+graphs")
-    parser.add_argument("--profile", default="h100", help="the device profile the search prices with")
+    parser.add_argument("--profile", default="", help="the device profile the search prices with (default: "
+                        "the GPU's own, as parallelize picks it)")
     parser.add_argument("--top", type=int, default=5)
     parser.add_argument("--extra", type=int, default=3, help="one GPU: further layouts of choices the top left out")
     parser.add_argument("--warmup", type=int, default=3)

@@ -114,7 +114,8 @@ def check_equivalence(name: str, args: argparse.Namespace, device: torch.device)
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     torch.backends.cudnn.deterministic = False
-    del pm, ref, model
+    pm.close()
+    del ref, model
     return max_over_ranks(worst, device)
 
 
@@ -166,7 +167,8 @@ def train_autopipe(model: nn.Module, how: str, args: argparse.Namespace, device:
                modelled_ms=[s.compute_time * 1e3 for s in pm.plan.stages],
                stage_measured_ms=[(s.measured_time or 0) * 1e3 for s in pm.plan.stages],
                cost_source=pm.plan.cost_source.get("source"))
-    del pm, opt
+    del opt
+    pm.close()
     return out
 
 

@@ -97,7 +97,7 @@ def main() -> None:
         microbatches=args.microbatches, loss_fn=make_criterion(args), **parallel_options(args),
     )
     fit(pm, make_optimizer(pm, args), data, args)
-    del pm  # its process groups (and --zero's optimizer's) go before the default group
+    pm.close()  # its process groups (the --zero optimizer's dp group too) go before the default group
     shutdown_distributed()
 
 

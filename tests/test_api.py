@@ -225,3 +225,37 @@ def test_single_process_train_step_and_errors():
         pm.train_step(x, y[:3])
     with pytest.raises(InputError):
         pm.train_step(torch.randn(5, 3, 32, 32), torch.randint(0, 10, (5,)))
+
+
+def _closed_models(rank, world):
+    import threading
+
+    import torch.distributed as dist
+
+    before = len(dist.distributed_c10d._world.pg_map)
+    x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
+    losses = []
+    for _ in range(3):  # each a pipeline (pp=2, its link groups) over gloo, with transfer threads
+        torch.manual_seed(0)
+        pm = autopipe.parallelize(MODELS["timm_vit"](), (torch.randn(2, 3, 32, 32),), pp=2, microbatches=4,
+                                  loss_fn=_loss, device="cpu")
+        losses.append(float(pm.train_step(x, y)))
+        pm.close()
+        pm.close()  # twice is nothing
+    try:
+        pm.train_step(x, y)
+        refused = ""
+    except ConfigError as exc:
+        refused = str(exc)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(t.name.startswith("autopipe-") for t in threading.enumerate()):
+        time.sleep(0.01)
+    return {"groups": len(dist.distributed_c10d._world.pg_map) - before, "losses": losses, "refused": refused,
+            "threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("autopipe-"))}
+
+
+def test_close_releases_the_groups_and_threads_of_a_model():
+    for result in run_distributed(_closed_models, 2, timeout=200):
+        assert result["groups"] == 0 and result["threads"] == []
+        assert "closed" in result["refused"]
+        assert result["losses"][0] == result["losses"][1] == result["losses"][2]

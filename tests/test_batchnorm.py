@@ -460,3 +460,47 @@ def test_cuda_graphs_collect_once_per_micro_batch(batchnorm: str) -> None:
                  for k, v in states[False].items() if ("running_" in k or "num_batches" in k)
                  and off(k, v) > 1e-6 * float(v.double().abs().max()) + 1e-12]
     assert not differing, "statistics that CUDA graphs changed:\n" + "\n".join(differing)
+
+
+# ----------------------------------------------------------------------------- the collection's kernels
+def _moments_cases(device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    cases = []
+    for shape in [(6, 5), (4, 8, 5, 7), (2, 3, 4, 5, 6)]:
+        x = torch.randn(*shape, generator=g) * 3 + torch.arange(shape[1]).view(1, -1, *[1] * (len(shape) - 2))
+        center = torch.randn(shape[1], generator=g)  # a running mean, off the batch's
+        cases.append((x.to(device), center.to(device)))
+    return cases
+
+
+def _check_moments(x: torch.Tensor, center: torch.Tensor, rtol: float) -> None:
+    from autopipe.runtime.batchnorm import _shifted_moments
+
+    shift, var = _shifted_moments(x, center, 1e-5)
+    ref_var, ref_mean = torch.var_mean(x.double(), dim=[0, *range(2, x.dim())], correction=0)
+    assert shift.dtype == var.dtype == center.dtype
+    torch.testing.assert_close(shift.double(), ref_mean - center.double(), rtol=rtol, atol=rtol)
+    torch.testing.assert_close(var.double(), ref_var, rtol=rtol, atol=rtol)
+
+
+def test_collected_moments_equal_the_batchs_mean_and_variance() -> None:
+    for x, center in _moments_cases("cpu"):
+        _check_moments(x, center, 1e-5)
+        _check_moments(x.double(), center.double(), 1e-12)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA kernel needs a GPU")
+def test_collected_moments_on_cuda_in_every_dtype_and_layout() -> None:
+    for x, center in _moments_cases("cuda"):
+        _check_moments(x, center, 1e-5)
+        _check_moments(x.double(), center.double(), 1e-9)
+        if x.dim() == 4:
+            _check_moments(x.contiguous(memory_format=torch.channels_last), center, 1e-5)
+            low = x.bfloat16()  # the statistics of the bf16 values, accumulated in fp32
+            from autopipe.runtime.batchnorm import _shifted_moments
+
+            shift, var = _shifted_moments(low, center, 1e-5)
+            ref_var, ref_mean = torch.var_mean(low.double(), dim=[0, 2, 3], correction=0)
+            torch.testing.assert_close(shift.double(), ref_mean - center.double(), rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(var.double(), ref_var, rtol=1e-4, atol=1e-4)

@@ -44,6 +44,59 @@ def test_replay_waits_for_transfers_and_serialises_a_link():
         replay("1f1b", 2, 4, 1, [1.0], [1.0, 1.0])
 
 
+def test_replay_charges_the_host_time_of_each_transfer_to_both_ends():
+    free = replay("1f1b", 2, 4, 1, [1.0, 1.0], [1.0, 1.0])
+    hosted = replay("1f1b", 2, 4, 1, [1.0, 1.0], [1.0, 1.0], host_act=[0.25, 0.0], host_grad=[0.0, 0.25])
+    assert hosted.busy == free.busy  # compute only
+    # Each rank posts 4 sends and takes 4 receives, 0.25 s each, beside its 8 s of compute.
+    assert hosted.makespan >= 8 + 8 * 0.25 and hosted.makespan > free.makespan
+
+
+def test_tensors_crossing_each_cut_are_counted():
+    from autopipe.partition.cuts import cut_dag
+
+    graph = GraphCosts(_vit_graph(), 2)
+    dag = cut_dag(graph.traced, dict(zip(graph.order, graph.costs)), None)
+    sent = {name for name, nbytes in zip(dag.order, dag.out_bytes) if nbytes > 0}
+    for k in range(len(graph.cut_tensors)):
+        assert graph.cut_tensors[k] == len([n for n in dag.crossing[k] if n in sent]), k
+    assert graph.cut_tensors.max() >= 2  # inside a block: the residual and the branch
+
+
+def test_transfer_overhead_is_paid_per_tensor_in_the_pipeline():
+    graph = GraphCosts(_vit_graph(), 2)
+    layout = Layout(2, 1, 1, 4, 1, "1f1b", False, False, "eager")
+    base = predict(graph, layout, _pricing(8))
+    taxed = predict(graph, layout, dataclasses.replace(_pricing(8), transfer_overhead=1e-3))
+    crossing = graph.cut_tensors[taxed.starts[1] - 1]
+    # Each rank sends or receives the cut's tensors twice per micro-batch (activations, gradients).
+    assert taxed.parts["pipeline"] - base.parts["pipeline"] >= 4 * 2 * crossing * 1e-3 * 0.99
+
+
+def test_checkpointed_layouts_take_a_checkpointed_profile_and_rerun_the_collectives():
+    from autopipe.measure import RunSetup, profile_graph
+    from autopipe.search.predict import _node_seconds
+
+    traced = _vit_graph()
+    cpu = get_profile("cpu")
+    plain = profile_graph(traced, RunSetup("cpu", reps=2, warmup=1), segments=2)
+    again = profile_graph(traced, RunSetup("cpu", reps=2, warmup=1, recompute=True), segments=2)
+    only_plain, both = GraphCosts(traced, 2, measured={2: plain}), GraphCosts(traced, 2, measured=[plain, again])
+    f, b = only_plain.node_times(2, cpu)
+    f_r, b_r = only_plain.node_times(2, cpu, recompute=True)
+    assert (f_r == f).all() and b_r == pytest.approx(b + f)  # no checkpointed profile: the forward again
+    f_m, b_m = both.node_times(2, cpu, recompute=True)
+    assert float((f_m + b_m).sum()) == pytest.approx(again.total, rel=1e-6)
+    assert float((f_m + b_m).sum()) != pytest.approx(float((f + b + f).sum()), rel=1e-3)
+    # Under tensor parallelism the recomputation runs the forward's collectives again.
+    shard = GraphCosts(traced, 2, shard_plan=plan_sharding(traced, 2))
+    layout = Layout(1, 2, 1, 1, 1, "1f1b", False, False, "eager")
+    pricing = _pricing(2, "cpu")
+    fwd, bwd = _node_seconds(shard, layout, 2, pricing)
+    fwd_r, bwd_r = _node_seconds(shard, dataclasses.replace(layout, recompute=True), 2, pricing)
+    assert shard.calls.sum() > 0 and fwd_r == pytest.approx(fwd) and bwd_r == pytest.approx(bwd + fwd)
+
+
 def test_layouts_cover_the_degrees_and_say_why_others_cannot_run():
     found, refused = [], []
     for layout, what, why in layouts(4, 6, modes=("eager",), recompute_options=(False,)):

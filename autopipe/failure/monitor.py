@@ -256,6 +256,12 @@ class FailureMonitor:
             _ACTIVE.pop()
 
     # ------------------------------------------------------------------------- waits
+    def close(self) -> None:
+        """Ends the threads that wait on gloo's transfers (after the works given so far)."""
+        for waiter in (self._recvs, self._sends):
+            if waiter is not None:
+                waiter.close()
+
     def start(self, works: Sequence[dist.Work]) -> Pending:
         """Begins watching ``works`` now (sends: their tensors can go once ``done()``)."""
         if self._sends is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from typing import Sequence
 
 import torch.distributed as dist
@@ -34,27 +35,40 @@ class Pending:
 
 
 class Waiter:
-    """A daemon thread calling ``wait()`` on the works it is given, one after the other."""
+    """A daemon thread calling ``wait()`` on the works it is given, one after the other.
+
+    The thread ends when :meth:`close` is called or the Waiter is collected (it holds only
+    the queue): a process that builds many pipelines keeps no idle threads of the old ones.
+    """
 
     def __init__(self, name: str) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._name = name
         self._thread: threading.Thread | None = None
+        self._stop = weakref.finalize(self, self._queue.put, None)
 
     def submit(self, works: Sequence[dist.Work]) -> Ticket:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+            self._thread = threading.Thread(target=_serve, args=(self._queue,), name=self._name, daemon=True)
             self._thread.start()
         ticket = Ticket()
         self._queue.put((works, ticket))
         return ticket
 
-    def _run(self) -> None:
-        while True:
-            works, ticket = self._queue.get()
-            try:
-                for work in works:
-                    work.wait()  # releases the GIL
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
-                ticket.error = exc
-            ticket.set()
+    def close(self) -> None:
+        """Ends the thread once the works given so far are waited on."""
+        self._stop()
+
+
+def _serve(jobs: queue.SimpleQueue) -> None:
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        works, ticket = job
+        try:
+            for work in works:
+                work.wait()  # releases the GIL
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+            ticket.error = exc
+        ticket.set()

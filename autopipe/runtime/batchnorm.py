@@ -230,8 +230,7 @@ class BatchNormStats:
         sums, counts = getattr(module, _SUMS), getattr(module, _COUNTS)
         x = args[0]
         with torch.no_grad():
-            var, mean = torch.var_mean(x.detach().to(sums.dtype), dim=[0, *range(2, x.dim())], correction=0)
-            shift = mean - module.running_mean
+            shift, var = _shifted_moments(x.detach(), module.running_mean, module.eps)
             sums[0].add_(shift)
             sums[1].addcmul_(shift, shift)
             sums[2].add_(var)
@@ -303,6 +302,26 @@ class BatchNormStats:
             total = (w * means).sum(0)
             out.append((total, (w * (vars_ + (means - total) ** 2)).sum(0), n))
         return out
+
+
+def _shifted_moments(x: torch.Tensor, center: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per channel (dim 1) of ``x``: its mean less ``center``, and its biased variance, in
+    ``center``'s dtype, by the fastest exact kernels of the device:
+    * CUDA: ``torch.batch_norm_stats``, SyncBatchNorm's one pass over ``x`` in its own dtype and
+      layout, accumulating in fp32 (the variance comes back from ``1 / sqrt(var + eps)``);
+    * CPU: sums of ``x - center`` (the shift keeps the squares small, see [Note: deferred batch
+      norm]). ``torch.var_mean`` over the other dimensions, used before, took longer than the
+      batch norm's own forward and backward (one thread, 8 x 64 x 16 x 16: 0.73 ms against 0.63).
+    """
+    if x.is_cuda and x.dim() >= 2 and x.numel():
+        mean, invstd = torch.batch_norm_stats(x, eps)
+        mean, invstd = mean.to(center.dtype), invstd.to(center.dtype)
+        return mean - center, (invstd.pow(-2) - eps).clamp_min(0)
+    dims = [0, *range(2, x.dim())]
+    d = x - center.view(1, -1, *[1] * (x.dim() - 2))  # in center's (fp32) dtype
+    n = d.numel() // d.shape[1]
+    shift = d.sum(dims) / n
+    return shift, (d.square().sum(dims) / n - shift * shift).clamp_min(0)
 
 
 def _update(m: nn.modules.batchnorm._BatchNorm, mean: torch.Tensor, var: torch.Tensor) -> None:

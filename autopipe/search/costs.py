@@ -11,7 +11,7 @@ profile prices the nodes at its own size, and other sizes by the analytic ratio 
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from typing import Iterable, Mapping
 
 import numpy as np
 
@@ -56,7 +56,7 @@ class GraphCosts:
 
     def __init__(self, traced: TracedModel, reference_size: int, *, shard_plan: ShardPlan | None = None,
                  base_costs: Mapping[str, NodeCost] | None = None,
-                 measured: Mapping[int, MeasuredCosts] | None = None) -> None:
+                 measured: Mapping[object, MeasuredCosts] | Iterable[MeasuredCosts] | None = None) -> None:
         self.traced, self.reference_size = traced, reference_size
         self.tp = shard_plan.tp if shard_plan is not None else 1
         nodes = [n for n in traced.gm.graph.nodes if n.op != "output"]
@@ -68,6 +68,7 @@ class GraphCosts:
         self.allowed = np.array(cut_candidates(traced), dtype=bool)
         dag = cut_dag(traced, all_costs, None)
         self.cut_bytes_ref = np.asarray(dag.cut_bytes[: len(self.order) - 1], dtype=float)  # traced dtype
+        self.cut_tensors = _cut_tensors(dag, len(self.order))  # each one its own send
         self.param_bytes = np.array([c.param_bytes for c in self.costs], dtype=float)
         self.param_count = np.array([c.param_count for c in self.costs], dtype=float)
         self.param_tensors = np.array([_parameter_tensors(traced, n) for n in nodes], dtype=float)
@@ -82,20 +83,35 @@ class GraphCosts:
             if i is not None:  # see [Note: collective table] in shard/collectives.py
                 self.moved_ref[i] += COLLECTIVES[c.kind].moved(max(c.fwd_bytes, c.bwd_bytes), self.tp)
                 self.calls[i] += (c.fwd_bytes > 0) + (c.bwd_bytes > 0)
-        self.measured = dict(measured or {})
+        # Profiles by micro-batch size: those timed as stages run plain, and those timed with
+        # activation checkpointing (the recomputation included in their backward).
+        profiles = list(measured.values()) if isinstance(measured, Mapping) else list(measured or ())
+        self.measured = {_size_of(m, reference_size): m for m in profiles if not m.recompute}
+        self.recomputed = {_size_of(m, reference_size): m for m in profiles if m.recompute}
         self.modules = [owning_module(n) for n in nodes]
         self._kernels = _KernelTable.of(self.costs)
         self._times: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self._launch: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
-    def node_times(self, size: int, profile: DeviceProfile) -> tuple[np.ndarray, np.ndarray]:
-        """(forward, backward) seconds of every node at ``size`` samples per micro-batch."""
-        key = (size, profile.name, profile.mode, id(profile.calibration), profile.matmul_flops, profile.mem_bandwidth)
+    def node_times(self, size: int, profile: DeviceProfile, *,
+                   recompute: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """(forward, backward) seconds of every node at ``size`` samples per micro-batch; with
+        ``recompute`` (activation checkpointing) the backward runs the forward again: as a
+        profile timed with checkpointing measured it where there is one, else as the sum."""
+        key = (size, profile.name, profile.mode, id(profile.calibration), profile.matmul_flops, profile.mem_bandwidth,
+               recompute)
         if key not in self._times:
-            self._times[key] = self._node_times(size, profile)
+            if not recompute:
+                self._times[key] = self._node_times(size, profile, self.measured_for(size))
+            elif self.recomputed:
+                self._times[key] = self._node_times(size, profile, self.measured_for(size, recompute=True))
+            else:
+                fwd, bwd = self.node_times(size, profile)
+                self._times[key] = (fwd, bwd + fwd)
         return self._times[key]
 
-    def _node_times(self, size: int, profile: DeviceProfile) -> tuple[np.ndarray, np.ndarray]:
+    def _node_times(self, size: int, profile: DeviceProfile,
+                    measured: MeasuredCosts | None) -> tuple[np.ndarray, np.ndarray]:
         ratio = size / self.reference_size
         k = self._kernels
         out = []
@@ -118,7 +134,6 @@ class GraphCosts:
             seconds = np.where((flops > 0) | (nbytes > 0), seconds, 0.0)
             out.append(np.bincount(k.node, weights=seconds, minlength=len(self.costs)))
         fwd, bwd = out
-        measured = self.measured_for(size)
         if measured is not None:
             fwd, bwd = self._from_measured(measured, size, profile, fwd, bwd)
         return fwd, bwd
@@ -149,11 +164,13 @@ class GraphCosts:
                              for j in range(int(bucket[i]) + 1))
         return seconds
 
-    def measured_for(self, size: int) -> MeasuredCosts | None:
-        """The profile of ``size`` samples, else the one of the nearest size (None without any)."""
-        if size in self.measured:
-            return self.measured[size]
-        return self.measured[min(self.measured, key=lambda s: abs(s - size))] if self.measured else None
+    def measured_for(self, size: int, *, recompute: bool = False) -> MeasuredCosts | None:
+        """The profile of ``size`` samples, else the one of the nearest size (None without any);
+        with ``recompute``, among those timed with activation checkpointing."""
+        profiles = self.recomputed if recompute else self.measured
+        if size in profiles:
+            return profiles[size]
+        return profiles[min(profiles, key=lambda s: abs(s - size))] if profiles else None
 
     def _from_measured(self, measured: MeasuredCosts, size: int, profile: DeviceProfile,
                        fwd: np.ndarray, bwd: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -186,6 +203,23 @@ class GraphCosts:
 # adds). The plan's collectives move their payload (a ring all-reduce 2 (tp-1)/tp of it, a
 # gather or scatter (tp-1)/tp) after the node they follow. parallelize() plans the rewritten
 # graph itself; the search only needs to rank.
+
+
+def _size_of(profile: MeasuredCosts, default: int) -> int:
+    """The micro-batch size a profile timed: its first input's leading dimension."""
+    shapes = profile.input_shapes
+    return shapes[0][0] if shapes and shapes[0] else default
+
+
+def _cut_tensors(dag, n: int) -> np.ndarray:
+    """``counts[k]``: how many tensors cross a cut after position k of the first ``n`` nodes
+    (those made at or before k and read after it)."""
+    delta = np.zeros(len(dag.order) + 1)
+    for i in np.flatnonzero(np.asarray(dag.out_bytes) > 0):
+        if dag.last_use[i] > i:
+            delta[i] += 1
+            delta[dag.last_use[i]] -= 1
+    return np.cumsum(delta)[: max(n - 1, 0)]
 
 
 def _parameter_tensors(traced: TracedModel, node) -> int:

@@ -20,33 +20,40 @@ __all__ = ["plan_layout", "DEFAULT_MODES", "HOST_COSTS"]
 
 # Execution modes weighed by default: on GPUs every one; on CPU stages run eagerly.
 DEFAULT_MODES = {"cuda": ("eager", "graphs", "compiled", "compiled+graphs"), "cpu": ("eager",)}
-# Host seconds (per compute the driver runs, per parameter tensor the optimizer steps) when not
-# measured: on CUDA the optimizer's multi-tensor kernels make the second small; on CPU torch's
-# AdamW takes its single-tensor path, about ten small kernels per tensor (~35 us measured on a
-# 2-core x86 box, one thread).
-HOST_COSTS = {"cuda": (10e-6, 2e-6), "cpu": (200e-6, 35e-6)}
+# Host seconds (per compute the driver runs, per parameter tensor the optimizer steps, per
+# tensor a pipeline stage sends or receives) when not measured: on CUDA the optimizer's
+# multi-tensor kernels make the second small, and a transfer's posting overlaps the GPU's work;
+# on CPU torch's AdamW takes its single-tensor path, about ten small kernels per tensor (~35 us
+# measured on a 2-core x86 box, one thread), and each gloo transfer is posted, waited on by a
+# thread and handed back while the compute shares the same cores (~150 us on that box, see
+# benchmarks/layout_choice_cpu.py).
+HOST_COSTS = {"cuda": (10e-6, 2e-6, 0.0), "cpu": (200e-6, 35e-6, 150e-6)}
 
 
 def plan_layout(model: nn.Module | str, *, devices: int, batch: int, device: str | DeviceProfile = "h100",
                 memory: float | None = None, links: LinkModel | None = None,
-                measured: Mapping[int, MeasuredCosts] | MeasuredCosts | None = None,
+                measured: Mapping[int, MeasuredCosts] | Sequence[MeasuredCosts] | MeasuredCosts | None = None,
                 example_inputs: Sequence[torch.Tensor] | None = None, image_size: int | None = None,
                 mixed_precision: str | None = "bf16", modes: tuple[str, ...] | None = None,
                 action_overhead: float | None = None, tensor_overhead: float | None = None,
-                **options) -> SearchResult:
+                transfer_overhead: float | None = None, **options) -> SearchResult:
     """Rank the layouts of ``model`` on ``devices`` devices of kind ``device`` for a global
     ``batch``. The model is traced once, at the micro-batch of ``example_inputs`` or at
-    ``min(8, batch)`` images; ``measured`` (profiles by micro-batch size, or one profile) prices
-    the nodes where given. ``memory`` is the budget per device in bytes. ``options`` go to
-    :func:`search_layouts`. ``action_overhead`` and ``tensor_overhead`` are the host seconds
-    the driver adds per compute and the optimizer per parameter tensor (defaults by device:
-    see HOST_COSTS)."""
+    ``min(8, batch)`` images; ``measured`` (profiles, by micro-batch size or in a list, or one
+    profile) prices the nodes where given; profiles timed with activation checkpointing price
+    the layouts that checkpoint. ``memory`` is the budget per device in bytes. ``options`` go to
+    :func:`search_layouts`. ``action_overhead``, ``tensor_overhead`` and ``transfer_overhead``
+    are the host seconds the driver adds per compute, the optimizer per parameter tensor and a
+    pipeline rank per tensor it sends or receives (defaults by device: see HOST_COSTS)."""
 
     profile = get_profile(device)
     if isinstance(measured, MeasuredCosts):
-        measured = {measured.input_shapes[0][0]: measured}
+        measured = [measured]
+    elif isinstance(measured, Mapping):
+        measured = list(measured.values())
+    measured = list(measured or ())
     reference = None if example_inputs is not None else \
-        min(measured) if measured else min(8, batch)
+        min(m.input_shapes[0][0] for m in measured) if measured else min(8, batch)
     traced, _ = planning_graph(model, example_inputs=example_inputs, batch=reference, image_size=image_size)
     if mixed_precision not in (None, "fp32", "bf16", "fp16"):
         raise ConfigError(f"mixed_precision={mixed_precision!r}; use None, 'bf16' or 'fp16'")
@@ -56,6 +63,7 @@ def plan_layout(model: nn.Module | str, *, devices: int, batch: int, device: str
     pricing = Pricing(profile, links or LinkModel.from_profile(profile), batch,
                       activation_bytes=2 / floating.itemsize if low else 1.0, weight_cast_bytes=2.0 if low else 0.0,
                       action_overhead=HOST_COSTS[kind][0] if action_overhead is None else action_overhead,
-                      tensor_overhead=HOST_COSTS[kind][1] if tensor_overhead is None else tensor_overhead)
+                      tensor_overhead=HOST_COSTS[kind][1] if tensor_overhead is None else tensor_overhead,
+                      transfer_overhead=HOST_COSTS[kind][2] if transfer_overhead is None else transfer_overhead)
     return search_layouts(traced, devices=devices, batch=batch, pricing=pricing, modes=modes or DEFAULT_MODES[kind],
                           memory=memory, measured=measured, **options)

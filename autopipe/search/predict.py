@@ -3,13 +3,16 @@
 [Note: step prediction]
 For one layout (search/layouts.py) on one graph (search/costs.py):
 1. nodes are priced at the layout's micro-batch size in its execution mode; activation
-   checkpointing adds each node's forward to its backward (the recomputation); the
-   tensor-parallel collectives of a node add their time on the link model (half each way);
+   checkpointing adds each node's forward to its backward (the recomputation), or takes the
+   backward of a profile timed with checkpointing where one is given; the tensor-parallel
+   collectives of a node add their time on the link model (half each way, and the forward's
+   half again when the recomputation runs them);
 2. the graph is cut into pp x chunks stages by the partitioner's own balancer (cut bytes in
    the activation dtype, the stage's fixed time counted), so the search sees the plan
    ``parallelize`` would make from the same costs;
 3. the schedule's action lists are replayed with the stages' forward and backward times and
-   the transfers between them (search/replay.py): the pipeline's makespan and bubble;
+   the transfers between them (search/replay.py), each tensor sent or received costing its
+   rank ``transfer_overhead`` of host time: the pipeline's makespan and bubble;
 4. the step adds the data-parallel all-reduce of the gradients (after the last backward, as
    the runtime does it), the global gradient norm (a pass and a scalar all-reduce), the
    optimizer's pass over its state (memory-bound, AdamW's, plus a host cost per parameter
@@ -54,6 +57,7 @@ class Pricing:
     weight_cast_bytes: float = 0.0  # bytes per parameter of the low-precision weight copies (2 under bf16)
     action_overhead: float = 0.0  # host seconds per compute the driver adds
     tensor_overhead: float = 0.0  # host seconds per parameter tensor of the optimizer's step and the norm
+    transfer_overhead: float = 0.0  # host seconds per tensor sent or received between pipeline stages
 
 
 @dataclass
@@ -79,13 +83,12 @@ class Prediction:
 
 def _node_seconds(graph: GraphCosts, layout: Layout, size: int, pricing: Pricing) -> tuple[np.ndarray, np.ndarray]:
     profile = pricing.profile.with_mode(layout.mode)
-    fwd, bwd = graph.node_times(size, profile)
-    if layout.recompute:
-        bwd = bwd + fwd
+    fwd, bwd = graph.node_times(size, profile, recompute=layout.recompute)
     if layout.tp > 1:
         moved = graph.moved_ref * (size / graph.reference_size) * pricing.activation_bytes
         comm = graph.calls * pricing.links.collective_latency + moved / pricing.links.collective_bandwidth
-        fwd, bwd = fwd + comm / 2, bwd + comm / 2
+        # The recomputation runs the forward's collectives again.
+        fwd, bwd = fwd + comm / 2, bwd + comm / 2 * (2 if layout.recompute else 1)
     return fwd, bwd
 
 
@@ -129,8 +132,12 @@ def predict(graph: GraphCosts, layout: Layout, pricing: Pricing, *, timeline: bo
     stage_b = [float(b_prefix[j] - b_prefix[i]) + overhead / 2 for i, j in zip(starts, ends)]
     sends = [link.p2p(float(cut_bytes[j - 1])) if j < len(compute) else 0.0 for j in ends]
     grads = [link.p2p(float(cut_bytes[i - 1])) if i > 0 else 0.0 for i in starts]
+    per_transfer = pricing.transfer_overhead
+    host_act = [per_transfer * float(graph.cut_tensors[j - 1]) if j < len(compute) else 0.0 for j in ends]
+    host_grad = [per_transfer * float(graph.cut_tensors[i - 1]) if i > 0 else 0.0 for i in starts]
     run = replay(layout.schedule, layout.pp, layout.microbatches, layout.chunks, stage_f, stage_b,
-                 send_act=sends, send_grad=grads, action_overhead=pricing.action_overhead, keep_spans=timeline)
+                 send_act=sends, send_grad=grads, action_overhead=pricing.action_overhead,
+                 host_act=host_act, host_grad=host_grad, keep_spans=timeline)
 
     # Per pipeline rank: its stages' parameters (already 1/tp where sharded).
     params = [0.0] * layout.pp

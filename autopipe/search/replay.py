@@ -7,7 +7,10 @@ The schedules' own action lists (runtime/schedule.py) are replayed with real dur
 - a send is posted when its compute ends and takes its link's latency plus its bytes over the
   link's bandwidth; each directed link carries one transfer at a time (one stream per link,
   [Note: transfer streams]), so a send waits for the previous one on its link;
-- a receive waits until its message has arrived; compute and transfers overlap.
+- a receive waits until its message has arrived; compute and transfers overlap;
+- posting a send or a receive and handing it to the backend takes the rank's own time
+  (``host_act[s]``, ``host_grad[s]``: the host is the device on CPUs, where gloo's transfers
+  and the threads that wait on them share the cores with the compute).
 The makespan is the time the last rank finishes; a rank's idle fraction of it is its bubble.
 Every (rank, action, start, end) is kept, so the chosen layout's timeline can be drawn.
 """
@@ -44,10 +47,12 @@ class Replay:
 
 def replay(schedule: str, pp: int, microbatches: int, chunks: int, forward: Sequence[float],
            backward: Sequence[float], *, send_act: Sequence[float] = (), send_grad: Sequence[float] = (),
-           action_overhead: float = 0.0, keep_spans: bool = False) -> Replay:
+           action_overhead: float = 0.0, host_act: Sequence[float] = (), host_grad: Sequence[float] = (),
+           keep_spans: bool = False) -> Replay:
     """Replay ``schedule`` for ``pp`` ranks; ``forward[s]``/``backward[s]`` are stage s's seconds,
     ``send_act[s]``/``send_grad[s]`` the seconds of its activations to stage s + 1 and of its
-    input gradients to stage s - 1 (latency included; missing: 0)."""
+    input gradients to stage s - 1 (latency included; missing: 0), ``host_act[s]`` and
+    ``host_grad[s]`` the host seconds each end spends on such a transfer (missing: 0)."""
     stages = pp * chunks
     if len(forward) != stages or len(backward) != stages:
         raise ScheduleError(f"replay needs one forward and one backward time per stage ({stages}), got "
@@ -55,6 +60,8 @@ def replay(schedule: str, pp: int, microbatches: int, chunks: int, forward: Sequ
     actions = all_rank_actions(schedule, pp, microbatches, chunks)
     send_act = list(send_act) or [0.0] * stages
     send_grad = list(send_grad) or [0.0] * stages
+    host_act = list(host_act) or [0.0] * stages
+    host_grad = list(host_grad) or [0.0] * stages
     clock, busy = [0.0] * pp, [0.0] * pp
     link_free: dict[tuple[int, int], float] = defaultdict(float)
     arrivals: dict[tuple[int, int], deque[float]] = defaultdict(deque)
@@ -70,10 +77,14 @@ def replay(schedule: str, pp: int, microbatches: int, chunks: int, forward: Sequ
                     src = _peer(a, pp)
                     if not arrivals[(src, r)]:
                         break  # its message is not sent yet: another rank runs first
-                    clock[r] = max(clock[r], arrivals[(src, r)].popleft())
+                    # The message is stage a.stage -/+ 1's; its host time is the sender's too.
+                    sender = a.stage - 1 if a.kind is ActionKind.RECV_ACT else a.stage + 1
+                    host = host_act[sender] if a.kind is ActionKind.RECV_ACT else host_grad[sender]
+                    clock[r] = max(clock[r], arrivals[(src, r)].popleft()) + host
                 elif a.kind in _SENDS:
                     dst = _peer(a, pp)
                     seconds = send_act[a.stage] if a.kind is ActionKind.SEND_ACT else send_grad[a.stage]
+                    clock[r] += host_act[a.stage] if a.kind is ActionKind.SEND_ACT else host_grad[a.stage]
                     start = max(clock[r], link_free[(r, dst)])
                     link_free[(r, dst)] = start + seconds
                     arrivals[(r, dst)].append(start + seconds)

@@ -78,7 +78,7 @@ class SearchResult:
         return format_search(self)
 
 
-def _graphs(traced: TracedModel, reference: int, tps: Sequence[int], measured: Mapping[int, MeasuredCosts] | None,
+def _graphs(traced: TracedModel, reference: int, tps: Sequence[int], measured: Mapping[int, MeasuredCosts] | Sequence[MeasuredCosts] | None,
             rejected: list[Rejected], sequence_parallel: bool) -> dict[tuple[int, bool], GraphCosts]:
     """The costs of every tensor-parallel degree the model's heads and widths allow."""
     base = graph_costs(traced.gm)
@@ -155,7 +155,7 @@ def min_microbatch(traced: TracedModel) -> tuple[int, str]:
 
 
 def search_layouts(traced: TracedModel, *, devices: int, batch: int, pricing: Pricing, modes: tuple[str, ...],
-                   memory: float | None = None, measured: Mapping[int, MeasuredCosts] | None = None,
+                   memory: float | None = None, measured: Mapping[int, MeasuredCosts] | Sequence[MeasuredCosts] | None = None,
                    exact: int = 24, chunk_options: tuple[int, ...] = (1, 2, 4),
                    recompute_options: tuple[bool, ...] = (False, True), sequence_parallel: bool = True,
                    timeline: bool = True) -> SearchResult:

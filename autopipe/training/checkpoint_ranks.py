@@ -40,6 +40,11 @@ def checkpoint_group(pm: ParallelModel) -> dist.ProcessGroup | None:
     return _GROUPS[pm]
 
 
+def release_checkpoint_group(pm: ParallelModel) -> dist.ProcessGroup | None:
+    """Forgets ``pm``'s checkpoint group and returns it (None if it has none), to be destroyed."""
+    return _GROUPS.pop(pm, None)
+
+
 def _exchange(fn: Callable[[], Any], what: str) -> Any:
     """``fn()``, a collective; a rank that dies or stops answering makes it a CheckpointError."""
     try:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..errors import CheckpointError, InputError
+from ..errors import CheckpointError, ConfigError, InputError
 from ..failure.monitor import FailureMonitor, synced, wait_works
 from ..failure.objects import all_gather_objects
 from ..partition.plan import PartitionPlan
@@ -59,6 +59,7 @@ class ParallelModel:
         self._mesh = mesh
         # What the user's model looked like when it was parallelized: full_state_dict checks it.
         self._signature = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        self._closed = False
         self._sync = True  # False inside no_sync()
         self._unsynced = False  # .grad holds this replica's sum of calls under no_sync()
         with self._monitor.guard():
@@ -171,6 +172,7 @@ class ParallelModel:
         Gradient accumulation over n calls: pass ``grad_scale=1 / n`` and run the first n - 1
         calls under :meth:`no_sync`; see [Note: gradient accumulation].
         """
+        self._check_open()
         if isinstance(grad_scale, bool) or not isinstance(grad_scale, (int, float)) \
                 or not math.isfinite(grad_scale) or grad_scale <= 0:
             raise InputError(f"grad_scale={grad_scale!r}; pass a positive number, e.g. 1 / n to "
@@ -228,6 +230,7 @@ class ParallelModel:
         """Forward only, keeping no activations, on a batch of any size; the model's outputs (a
         ModelOutput stays one) on the ranks of the last stage, None on the others. Uses the
         current train/eval mode."""
+        self._check_open()
         inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
         self._check_split(inputs, training=False)
         self._refresh_weight_casts()
@@ -250,6 +253,36 @@ class ParallelModel:
         # The optimizer (or a load) may have changed the weights since the last step.
         if self._runtime.weight_casts is not None:
             self._runtime.weight_casts.refresh()
+
+    def close(self) -> None:
+        """Releases what this model holds in the process: the process groups of its mesh and
+        pipeline links (and of its checkpoints) and the threads that wait on gloo's transfers.
+
+        Collective: every rank calls it once it has finished with the model (and with a ZeRO
+        optimizer made by :meth:`zero_optimizer`, which uses the dp group). The model cannot
+        run afterwards. Without it, a process that builds many models keeps every one's groups
+        and threads: on CPUs, with gloo, each slows the steps of the models built after it.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        from .checkpoint_ranks import release_checkpoint_group
+
+        self._monitor.close()
+        groups = [self._mesh.pp_group, self._mesh.dp_group, self._mesh.tp_group, *self._mesh.links.values(),
+                  release_checkpoint_group(self)]
+        if not dist.is_initialized():
+            return
+        default = dist.distributed_c10d._get_default_group()
+        mine = [g for g in groups if g is not None and g is not default and g is not dist.GroupMember.NON_GROUP_MEMBER]
+        dist.barrier()  # no rank still sends on a group another has destroyed
+        for group in {id(g): g for g in mine}.values():
+            dist.destroy_process_group(group)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConfigError("this ParallelModel was closed (pm.close() released its process groups); "
+                              "build it again with autopipe.parallelize(...)")
 
     @property
     def _monitor(self) -> FailureMonitor:
