@@ -32,12 +32,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from typing import Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
+import torch.nn.functional as F
 
 from autopipe.errors import ConfigError
 from autopipe.graph import MODULE_KEY
@@ -46,7 +48,7 @@ from autopipe.runtime.sync_batchnorm import synchronise
 __all__ = ["MODES", "BatchNormStats", "check_batchnorm"]
 
 MODES = ("deferred", "sync", "microbatch")
-_SUMS, _COUNTS, _HOOK = "autopipe_sums", "autopipe_counts", "_autopipe_hook"
+_SUMS, _COUNTS, _BATCH, _HOOK = "autopipe_sums", "autopipe_counts", "autopipe_batch", "_autopipe_hook"
 
 def _is_tracked(m: nn.Module) -> bool:
     """A BatchNorm layer that keeps running statistics (or kept them before an earlier install)."""
@@ -67,10 +69,11 @@ def tracked_norms(modules: Iterable[nn.Module]) -> list[nn.modules.batchnorm._Ba
 def _uninstall(m: nn.modules.batchnorm._BatchNorm) -> None:
     """Undo an earlier install on ``m`` (the model was parallelized before): its own forward,
     per-micro-batch updates, no collection."""
-    handle = getattr(m, _HOOK, None)
-    if handle is not None:
-        handle.remove()
-        del m._autopipe_hook
+    if hasattr(m, _HOOK):
+        handle = getattr(m, _HOOK)
+        if handle is not None:
+            handle.remove()
+        delattr(m, _HOOK)
     m.__dict__.pop("forward", None)
     m.track_running_stats = True
 
@@ -194,7 +197,7 @@ class BatchNormStats:
     """
 
     def __init__(self, norms: Sequence[nn.modules.batchnorm._BatchNorm], dp_group: dist.ProcessGroup | None,
-                 dp: int) -> None:
+                 dp: int, *, own_kernel: bool = True) -> None:
         self.norms = list(norms)
         self.dp_group, self.dp = dp_group, dp
         self.collecting = False
@@ -204,7 +207,13 @@ class BatchNormStats:
                               persistent=False)
             m.register_buffer(_COUNTS, torch.zeros(2, dtype=like.dtype, device=like.device), persistent=False)
             m.track_running_stats = False  # normalise per micro-batch, leave the buffers to commit()
-            setattr(m, _HOOK, m.register_forward_pre_hook(self._collect))
+            if own_kernel and _plain_forward(m):  # see [Note: statistics from the norm's own kernel]
+                m.register_buffer(_BATCH, torch.zeros(2, like.numel(), dtype=like.dtype, device=like.device),
+                                  persistent=False)
+                m.forward = functools.partial(_collecting_forward, self, m, m.forward)
+                setattr(m, _HOOK, None)
+            else:
+                setattr(m, _HOOK, m.register_forward_pre_hook(self._collect))
 
     @classmethod
     def install(cls, stages: Iterable[nn.Module], mode: str, dp_group: dist.ProcessGroup | None = None,
@@ -221,7 +230,7 @@ class BatchNormStats:
         if mode == "sync" and dp > 1:
             for m in norms:
                 synchronise(m, dp_group)
-        return cls(norms, dp_group, dp)
+        return cls(norms, dp_group, dp, own_kernel=mode == "deferred")
 
     # ------------------------------------------------------------------------- collection
     def _collect(self, module: nn.modules.batchnorm._BatchNorm, args: tuple) -> None:
@@ -230,7 +239,7 @@ class BatchNormStats:
         sums, counts = getattr(module, _SUMS), getattr(module, _COUNTS)
         x = args[0]
         with torch.no_grad():
-            shift, var = _shifted_moments(x.detach(), module.running_mean, module.eps)
+            shift, var = _shifted_moments(x.detach(), module.running_mean)
             sums[0].add_(shift)
             sums[1].addcmul_(shift, shift)
             sums[2].add_(var)
@@ -304,20 +313,62 @@ class BatchNormStats:
         return out
 
 
-def _shifted_moments(x: torch.Tensor, center: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+# [Note: statistics from the norm's own kernel]
+# Computing a micro-batch's statistics a second time (a reduction over the input, then a dozen
+# small kernels to fold them in) cost ResNet-50 on one H200 (bf16, 4 micro-batches of 32) 51% of
+# an eager step and 19% with CUDA graphs (benchmarks/batchnorm_cost.py): 53 norms x 4
+# micro-batches of kernel launches. The batch norm's own training kernel already reduces its
+# input and can write the result: a layer of torch's BatchNorm classes (or timm's
+# BatchNormAct2d) runs, while collecting, as ``F.batch_norm`` with running statistics of its own
+# (``autopipe_batch``, momentum 1: the kernel leaves the micro-batch's mean and unbiased variance
+# there) and the same output; four small in-place ops fold them into the sums. Other BatchNorm
+# subclasses keep a forward pre-hook that computes the statistics itself (``_shifted_moments``).
+
+
+def _plain_forward(m: nn.Module) -> bool:
+    """Whether ``m`` computes what ``F.batch_norm`` (then timm's drop and activation) does."""
+    return "forward" not in m.__dict__ and (type(m).forward is nn.modules.batchnorm._BatchNorm.forward
+                                            or _is_timm_norm_act(m))
+
+
+def _collecting_forward(stats: BatchNormStats, m: nn.modules.batchnorm._BatchNorm, original: object,
+                        x: torch.Tensor) -> torch.Tensor:
+    if not m.training:
+        return original(x)  # type: ignore[operator]
+    # In training the same ops run whether collecting or not: a checkpointed stage's
+    # recomputation (not collecting) must save what its first forward saved.
+    m._check_input_dim(x)
+    batch = getattr(m, _BATCH)
+    y = F.batch_norm(x, batch[0], batch[1], m.weight, m.bias, True, 1.0, m.eps)
+    if type(m).forward is not nn.modules.batchnorm._BatchNorm.forward:  # timm's BatchNormAct2d
+        y = m.act(m.drop(y))
+    if not stats.collecting:
+        return y
+    with torch.no_grad():
+        n = x.numel() // x.shape[1]
+        sums, counts = getattr(m, _SUMS), getattr(m, _COUNTS)
+        shift = batch[0] - m.running_mean
+        sums[0].add_(shift)
+        sums[1].addcmul_(shift, shift)
+        sums[2].add_(batch[1], alpha=(n - 1) / n)  # the biased variance
+        counts[0].add_(1)
+        counts[1].add_(n)
+    return y
+
+
+def _shifted_moments(x: torch.Tensor, center: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per channel (dim 1) of ``x``: its mean less ``center``, and its biased variance, in
-    ``center``'s dtype, by the fastest exact kernels of the device:
-    * CUDA: ``torch.batch_norm_stats``, SyncBatchNorm's one pass over ``x`` in its own dtype and
-      layout, accumulating in fp32 (the variance comes back from ``1 / sqrt(var + eps)``);
+    ``center``'s dtype, by the faster exact kernels of the device (benchmarks/batchnorm_cost.py):
+    * CUDA: ``torch.var_mean`` over ``x`` in ``center``'s dtype (0.18 ms for 32 x 64 x 112 x 112
+      bf16 on an H200, where SyncBatchNorm's ``torch.batch_norm_stats`` took 0.34);
     * CPU: sums of ``x - center`` (the shift keeps the squares small, see [Note: deferred batch
-      norm]). ``torch.var_mean`` over the other dimensions, used before, took longer than the
-      batch norm's own forward and backward (one thread, 8 x 64 x 16 x 16: 0.73 ms against 0.63).
+      norm]); ``torch.var_mean`` took longer than the batch norm's own forward and backward
+      (one thread, 8 x 64 x 16 x 16: 0.73 ms against 0.63; the sums 0.07).
     """
-    if x.is_cuda and x.dim() >= 2 and x.numel():
-        mean, invstd = torch.batch_norm_stats(x, eps)
-        mean, invstd = mean.to(center.dtype), invstd.to(center.dtype)
-        return mean - center, (invstd.pow(-2) - eps).clamp_min(0)
     dims = [0, *range(2, x.dim())]
+    if x.is_cuda:
+        var, mean = torch.var_mean(x.to(center.dtype), dim=dims, correction=0)
+        return mean - center, var
     d = x - center.view(1, -1, *[1] * (x.dim() - 2))  # in center's (fp32) dtype
     n = d.numel() // d.shape[1]
     shift = d.sum(dims) / n
