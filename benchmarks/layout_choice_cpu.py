@@ -6,11 +6,11 @@ Two gloo processes of one thread each (these machines have 2 cores). For each mo
 timm ViT and a small torchvision ResNet, 32x32 images):
 1. the links are measured (``measure_links``: point to point and all-reduce over gloo), the
    driver's host time per compute is measured on a one-layer model, the optimizer's per
-   parameter tensor on copies of the model's parameters, a pipeline rank's per tensor sent
-   or received on another model (``transfer_overhead``: four tensors cross its stage boundary;
-   the overhead that best fits its measured pipelines), and the graph is profiled on the CPU
-   at every micro-batch size a layout uses, plain and with activation checkpointing
-   (``profile_graph``, both processes timing a share at once, as they train);
+   parameter tensor on copies of the model's parameters; what transfers cost while both
+   processes compute is fitted on another model (``in_situ_costs``: a pipeline rank's host time
+   per tensor sent or received, and the latency of a tensor-parallel collective); and the graph
+   is profiled on the CPU at every micro-batch size a layout uses, plain and with activation
+   checkpointing (``profile_graph``, both processes timing a share at once, as they train);
 2. the search prices every layout it enumerates for 2 processes: pp=2, tp=2, dp=2 with their
    micro-batch, schedule, chunk, sequence-parallel and checkpointing variants;
 3. every one of those layouts is built with ``parallelize`` and timed: a train step and an AdamW
@@ -105,7 +105,7 @@ def tensor_overhead(model: nn.Module, bandwidth: float) -> float:
 
 class Fan(nn.Module):
     """Four branches whose outputs cross a pipeline cut together (four tensors a transfer),
-    each two small MLPs: what ``transfer_overhead`` times."""
+    each two small MLPs (sharded by tp=2 into column and row pairs): what ``in_situ_costs`` times."""
 
     def __init__(self, width: int = 256, k: int = 4) -> None:
         super().__init__()
@@ -117,15 +117,25 @@ class Fan(nn.Module):
         return sum(b(a(x)) for a, b in zip(self.a, self.b))
 
 
-FAN_LAYOUTS = ("pp2 tp1 dp1 m4 1f1b", "pp2 tp1 dp1 m8 1f1b", "pp2 tp1 dp1 m16 1f1b", "pp2 tp1 dp1 m8 gpipe",
-               "pp2 tp1 dp1 m4 v2 interleaved_1f1b", "pp2 tp1 dp1 m8 v2 interleaved_1f1b")
+FAN_PIPELINES = ("pp2 tp1 dp1 m4 1f1b", "pp2 tp1 dp1 m8 1f1b", "pp2 tp1 dp1 m16 1f1b", "pp2 tp1 dp1 m8 gpipe",
+                 "pp2 tp1 dp1 m4 v2 interleaved_1f1b", "pp2 tp1 dp1 m8 v2 interleaved_1f1b")
+FAN_SHARDS = ("pp1 tp2 dp1 m1", "pp1 tp2 dp1 m2", "pp1 tp2 dp1 m4")
 
 
-def transfer_overhead(links: Any, overhead: float, per_tensor: float, cpu: Any, batch: int = 16) -> tuple[float, list]:
-    """Host seconds a pipeline rank spends per tensor it sends or receives (gloo's post, the
-    thread that waits on it, the hand-back, on cores the compute shares): the pipelines of
-    FAN_LAYOUTS measured on ``Fan``, and the overhead (0 to 1 ms, 25 us apart) whose
-    predictions fit them best (least mean squared log error). Returns it and the fit's rows."""
+def in_situ_costs(links: Any, overhead: float, per_tensor: float, cpu: Any,
+                  batch: int = 16) -> tuple[float, Any, list]:
+    """What transfers cost while the two processes compute, fitted on ``Fan`` (not a model the
+    benchmark checks): its layouts are measured, then priced by the search at a grid of values,
+    and the value whose predictions fit best (least mean squared log error) is kept.
+    1. Host seconds a pipeline rank spends per tensor it sends or receives (gloo's post, the
+       thread that waits on it, the hand-back, on cores the compute shares): FAN_PIPELINES,
+       0 to 1 ms, 25 us apart.
+    2. The latency of a tensor-parallel collective of one micro-batch (both ranks must reach it,
+       on cores the other process also runs on; an idle ping-pong says far less): FAN_SHARDS,
+       0 to 3 ms, 50 us apart, with 1. fixed.
+    Returns the transfer overhead, ``links`` with that collective latency, and the fit's rows."""
+    import dataclasses
+
     import autopipe
     from autopipe.measure import RunSetup, profile_graph
     from autopipe.search import plan_layout
@@ -136,36 +146,52 @@ def transfer_overhead(links: Any, overhead: float, per_tensor: float, cpu: Any, 
 
     torch.manual_seed(0)
     model = Fan()
-    sizes = sorted({batch // int(name.split()[3][1:]) for name in FAN_LAYOUTS})
+    names = FAN_PIPELINES + FAN_SHARDS
+    sizes = sorted({batch // int(name.split()[3][1:]) for name in names})
     profiles = [profile_graph(trace(model, (torch.randn(n, 64, 256),)), RunSetup("cpu", reps=5, warmup=2), segments=8)
                 for n in sizes]
-    grid = [i * 25e-6 for i in range(41)]
-    predicted: dict[str, list[float]] = {}
-    layouts = {}
-    for x in grid:
+    layouts: dict[str, Any] = {}
+
+    def price(links: Any, transfer: float, wanted: tuple[str, ...]) -> dict[str, float]:
         result = plan_layout(model, devices=2, batch=batch, device=cpu, links=links, measured=profiles,
                              example_inputs=(torch.randn(sizes[0], 64, 256),), mixed_precision=None,
                              modes=("eager",), action_overhead=overhead, tensor_overhead=per_tensor,
-                             transfer_overhead=x, recompute_options=(False,), exact=10**6, timeline=False)
+                             transfer_overhead=transfer, recompute_options=(False,), sequence_parallel=False,
+                             exact=10**6, timeline=False)
+        out = {}
         for p in result.ranked:
             name = str(p.layout).removesuffix(" eager")
-            if name in FAN_LAYOUTS:
-                predicted.setdefault(name, []).append(p.step_seconds)
-                layouts[name] = p.layout
+            if name in wanted:
+                out[name], layouts[name] = p.step_seconds, p.layout
+        return out
+
+    price(links, 0.0, names)
     g = torch.Generator().manual_seed(1)
     x_in, y_in = torch.randn(batch, 64, 256, generator=g), torch.randint(0, 10, (batch, 64), generator=g)
     measured = {}
-    for name in FAN_LAYOUTS:
+    for name in names:
         layout = layouts[name]
         torch.manual_seed(0)
         pm = autopipe.parallelize(Fan(), (torch.randn(layout.microbatch_size(batch), 64, 256),), loss_fn=loss,
                                   device="cpu", **layout.parallelize_kwargs())
         measured[name] = _time_steps(pm, (x_in, y_in), 5, 2)
         pm.close()
-    fit = [sum(float(np.log(predicted[n][i] / measured[n])) ** 2 for n in FAN_LAYOUTS) for i in range(len(grid))]
-    best = int(np.argmin(fit))
-    rows = [{"layout": n, "measured": measured[n], "predicted": predicted[n][best]} for n in FAN_LAYOUTS]
-    return grid[best], rows
+
+    def best(grid: list[float], predictions: list[dict[str, float]]) -> int:
+        fit = [sum(float(np.log(p[n] / measured[n])) ** 2 for n in p) for p in predictions]
+        return int(np.argmin(fit))
+
+    grid = [i * 25e-6 for i in range(41)]
+    by_transfer = [price(links, x, FAN_PIPELINES) for x in grid]
+    transfer = grid[best(grid, by_transfer)]
+    grid = [i * 50e-6 for i in range(61)]
+    by_latency = [price(dataclasses.replace(links, collective_latency=c), transfer, FAN_SHARDS) for c in grid]
+    k = best(grid, by_latency)
+    fitted = dataclasses.replace(links, collective_latency=grid[k],
+                                 source=links.source + ", collective latency fitted on tp=2 runs")
+    predicted = price(fitted, transfer, names)
+    rows = [{"layout": n, "measured": measured[n], "predicted": predicted[n]} for n in names]
+    return transfer, fitted, rows
 
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
@@ -183,10 +209,11 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any)
     links = measure_links("cpu")
     overhead = driver_overhead()
     cpu = measure_profile("cpu")
-    per_transfer, fan_rows = transfer_overhead(links, overhead, tensor_overhead(Fan(), cpu.mem_bandwidth), cpu)
+    per_transfer, links, fan_rows = in_situ_costs(links, overhead, tensor_overhead(Fan(), cpu.mem_bandwidth), cpu)
     if rank == 0:
-        print(f"transfer overhead {per_transfer * 1e6:.0f} us per tensor; fitted on " + ", ".join(
-            f"{r['layout']} {r['predicted'] / r['measured'] - 1:+.0%}" for r in fan_rows), flush=True)
+        print(f"transfer overhead {per_transfer * 1e6:.0f} us per tensor, collective latency "
+              f"{links.collective_latency * 1e6:.0f} us; fitted on " + ", ".join(
+                  f"{r['layout']} {r['predicted'] / r['measured'] - 1:+.0%}" for r in fan_rows), flush=True)
     rows = []
     for name in args.models.split(","):
         torch.manual_seed(0)

@@ -299,3 +299,16 @@ def test_micro_batches_too_small_for_batch_norm_are_refused_with_the_norm_named(
     traced = trace(conv_bn, (torch.randn(4, 3, 32, 32),))
     result = search_layouts(traced, devices=2, batch=4, pricing=_pricing(4, "cpu"), modes=("eager",), timeline=False)
     assert any(p.layout.microbatch_size(4) == 1 for p in result.ranked)
+
+
+def test_sequence_parallel_layouts_are_priced_as_such_from_a_one_sample_trace():
+    """A graph traced on fewer samples than tp ranks has no sequence-parallel region: the search
+    traces a micro-batch that splits, so an "sp" layout pays its reduce-scatters and
+    all-gathers (more calls than the plain layout's all-reduces)."""
+    torch.manual_seed(0)
+    links = LinkModel(1e-4, 1e9, 1e-3, 1e9)
+    result = plan_layout(timm_vit(depth=2), devices=2, batch=8, device="cpu", links=links,
+                         example_inputs=(torch.randn(1, 3, 32, 32),), mixed_precision=None, modes=("eager",),
+                         exact=10**6, timeline=False)
+    steps = {str(p.layout): p.step_seconds for p in result.ranked}
+    assert steps["pp1 tp2 dp1 m1 sp eager"] > steps["pp1 tp2 dp1 m1 eager"] * 1.05

@@ -2,6 +2,7 @@
 ``parallelize(pp="auto")`` ask for it."""
 from __future__ import annotations
 
+import math
 from typing import Mapping, Sequence
 
 import torch
@@ -54,6 +55,8 @@ def plan_layout(model: nn.Module | str, *, devices: int, batch: int, device: str
     measured = list(measured or ())
     reference = None if example_inputs is not None else \
         min(m.input_shapes[0][0] for m in measured) if measured else min(8, batch)
+    if example_inputs is not None and options.get("sequence_parallel", True):
+        example_inputs = _splittable(example_inputs, devices)
     traced, _ = planning_graph(model, example_inputs=example_inputs, batch=reference, image_size=image_size)
     if mixed_precision not in (None, "fp32", "bf16", "fp16"):
         raise ConfigError(f"mixed_precision={mixed_precision!r}; use None, 'bf16' or 'fp16'")
@@ -67,3 +70,21 @@ def plan_layout(model: nn.Module | str, *, devices: int, batch: int, device: str
                       transfer_overhead=HOST_COSTS[kind][2] if transfer_overhead is None else transfer_overhead)
     return search_layouts(traced, devices=devices, batch=batch, pricing=pricing, modes=modes or DEFAULT_MODES[kind],
                           memory=memory, measured=measured, **options)
+
+
+def _splittable(example_inputs: Sequence[torch.Tensor], devices: int) -> Sequence[torch.Tensor]:
+    """The inputs repeated along the batch so that the tp degrees (up to 8) split a micro-batch
+    of them: sequence parallelism divides each micro-batch's samples over the tp ranks, and a
+    plan made on a graph of fewer samples than ranks has no sequence-parallel region to price
+    (every "sp" layout was priced as its plain twin). Inputs without a common batch dimension
+    stay as they are."""
+    sizes = {x.shape[0] for x in example_inputs if isinstance(x, torch.Tensor) and x.dim()}
+    if len(sizes) != 1:
+        return example_inputs
+    (size,) = sizes
+    tp = max(d for d in range(1, min(devices, 8) + 1) if devices % d == 0)
+    repeat = math.lcm(size, tp) // size
+    if repeat == 1:
+        return example_inputs
+    return tuple(x.repeat(repeat, *[1] * (x.dim() - 1)) if isinstance(x, torch.Tensor) and x.dim() else x
+                 for x in example_inputs)
