@@ -258,9 +258,8 @@ class FailureMonitor:
     # ------------------------------------------------------------------------- waits
     def close(self) -> None:
         """Ends the threads that wait on gloo's transfers (after the works given so far)."""
-        for waiter in (self._recvs, self._sends):
-            if waiter is not None:
-                waiter.close()
+        for waiter in filter(None, (self._recvs, self._sends)):
+            waiter.close()
 
     def start(self, works: Sequence[dist.Work]) -> Pending:
         """Begins watching ``works`` now (sends: their tensors can go once ``done()``)."""

@@ -96,3 +96,17 @@ def build_mesh(dims: ParallelDims, device: torch.device) -> Mesh:
         pp_group=mesh.get_group("pp"), dp_group=mesh.get_group("dp"), tp_group=mesh.get_group("tp"),
         device=device, links=link_groups(pipelines) if dims.pp > 1 else {},
     )
+
+
+def release_groups(mesh: Mesh, *others: dist.ProcessGroup | None) -> None:
+    """Destroys the process groups of ``mesh`` and ``others`` (never the default group), after a
+    barrier, so that no rank still uses one another has destroyed. Collective over the world."""
+    if not dist.is_initialized():
+        return
+    default = dist.distributed_c10d._get_default_group()
+    groups = [mesh.pp_group, mesh.dp_group, mesh.tp_group, *mesh.links.values(), *others]
+    mine = {id(g): g for g in groups
+            if g is not None and g is not default and g is not dist.GroupMember.NON_GROUP_MEMBER}
+    dist.barrier()
+    for group in mine.values():
+        dist.destroy_process_group(group)

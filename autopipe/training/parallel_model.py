@@ -27,7 +27,8 @@ from ..stages.mlp_pieces import merge_pieces
 from .checkpoint import save_checkpoint
 from .checkpoint_load import load_checkpoint
 from .gradients import average_gradients, clip_gradients, global_grad_norm, reduce_sequence_parallel_grads
-from .mesh import Mesh
+from .checkpoint_ranks import release_checkpoint_group
+from .mesh import Mesh, release_groups
 from .stage_runtime import StageRuntime
 from .state_map import load_local_state, local_full_state
 from .training_state import TrainingState
@@ -255,29 +256,15 @@ class ParallelModel:
             self._runtime.weight_casts.refresh()
 
     def close(self) -> None:
-        """Releases what this model holds in the process: the process groups of its mesh and
-        pipeline links (and of its checkpoints) and the threads that wait on gloo's transfers.
-
-        Collective: every rank calls it once it has finished with the model (and with a ZeRO
-        optimizer made by :meth:`zero_optimizer`, which uses the dp group). The model cannot
-        run afterwards. Without it, a process that builds many models keeps every one's groups
-        and threads: on CPUs, with gloo, each slows the steps of the models built after it.
-        """
-        if self._closed:
-            return
-        self._closed = True
-        from .checkpoint_ranks import release_checkpoint_group
-
-        self._monitor.close()
-        groups = [self._mesh.pp_group, self._mesh.dp_group, self._mesh.tp_group, *self._mesh.links.values(),
-                  release_checkpoint_group(self)]
-        if not dist.is_initialized():
-            return
-        default = dist.distributed_c10d._get_default_group()
-        mine = [g for g in groups if g is not None and g is not default and g is not dist.GroupMember.NON_GROUP_MEMBER]
-        dist.barrier()  # no rank still sends on a group another has destroyed
-        for group in {id(g): g for g in mine}.values():
-            dist.destroy_process_group(group)
+        """Releases the process groups of this model's mesh, pipeline links and checkpoints, and
+        the threads that wait on gloo's transfers. Collective: every rank calls it when done
+        with the model (and with a :meth:`zero_optimizer`, which uses the dp group); the model
+        cannot run afterwards. Groups and threads left behind slow every model built later in
+        the process (on CPUs, with gloo)."""
+        if not self._closed:
+            self._closed = True
+            self._monitor.close()
+            release_groups(self._mesh, release_checkpoint_group(self))
 
     def _check_open(self) -> None:
         if self._closed:
