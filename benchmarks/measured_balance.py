@@ -171,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run (eager only)")
     parser.add_argument("--image-size", type=int, default=None)
+    parser.add_argument("--channels-last", action="store_true",
+                        help="the model and its inputs in channels-last layout (as convolutional models run best "
+                             "on GPUs; see benchmarks/channels_last.py)")
     parser.add_argument("--calibration-rows", metavar="PATH",
                         help="also write the profiles' node times as rows for calibrate_device.py fit")
     args = parser.parse_args(argv)
@@ -181,7 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.models.split(","):
         for mb in (int(x) for x in args.microbatch.split(",")):
             model = load_model(f"timm:{name}", image_size=args.image_size)
-            traced = trace(model, (default_input(model, mb, image_size=args.image_size),))
+            example = default_input(model, mb, image_size=args.image_size)
+            if args.channels_last:
+                model = model.to(memory_format=torch.channels_last)
+                example = example.contiguous(memory_format=torch.channels_last)
+            traced = trace(model, (example,))
             profiles: dict[str, Any] = {}
             for mode in args.modes.split(","):
                 try:
@@ -204,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                 calibrate_device.write_rows(args.calibration_rows, cal_nodes, cal_segs, device_name(args.device))
             with open(args.out, "w") as f:  # after every case: a run cut short keeps what it did
                 json.dump({"device": device_name(args.device), "torch": torch.__version__,
+                           "channels_last": args.channels_last, "command": " ".join(sys.argv),
                            "date": datetime.date.today().isoformat(), "rows": rows}, f, indent=1)
     bad = failures(rows)
     print(f"{len(rows)} cases, {len(bad)} failures")
