@@ -292,6 +292,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
+    # glibc returns freed large blocks to the system and maps them again (page faults) until its
+    # adaptive threshold has grown past them: the same ResNet-18 step took 69 or 45 ms by when it
+    # ran in a process. Fixed thresholds make every layout and profile run in the same state.
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 32))
+    os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 32))
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = 29500 + os.getpid() % 1000

@@ -14,10 +14,10 @@ For one layout (search/layouts.py) on one graph (search/costs.py):
    the transfers between them (search/replay.py), each tensor sent or received costing its
    rank ``transfer_overhead`` of host time: the pipeline's makespan and bubble;
 4. the step adds the data-parallel all-reduce of the gradients (after the last backward, as
-   the runtime does it), the global gradient norm (a pass and a scalar all-reduce), the
-   optimizer's pass over its state (memory-bound, AdamW's, plus a host cost per parameter
-   tensor: torch's AdamW steps CPU tensors one at a time, about ten kernels each) and, with
-   mixed precision, the weights' cast;
+   the runtime does it, in flat buckets the gradients are copied into and back from), the
+   global gradient norm (a pass and a scalar all-reduce), the optimizer's pass over its state
+   (memory-bound, AdamW's, plus a host cost per parameter tensor: torch's AdamW steps CPU
+   tensors one at a time, about ten kernels each) and, with mixed precision, the weights' cast;
 5. memory per device: parameters, gradients and optimizer state of its stages (plus bf16
    weight copies under mixed precision) and the saved activations of the micro-batches it
    holds at once (the schedule's in-flight bound; with checkpointing only each stage's input,
@@ -154,9 +154,11 @@ def predict(graph: GraphCosts, layout: Layout, pricing: Pricing, *, timeline: bo
     grad_bytes = max(float(p_prefix[j] - p_prefix[i]) for i, j in zip(starts, ends)) if layout.chunks == 1 else \
         max(sum(float(p_prefix[e] - p_prefix[b]) for k, (b, e) in enumerate(zip(starts, ends)) if k % layout.pp == r)
             for r in range(layout.pp))
-    all_reduce = link.all_reduce(grad_bytes, layout.dp)
     most = max(params)
     bandwidth = pricing.profile.mem_bandwidth
+    # The runtime all-reduces flat buckets: the gradients are copied in, divided and copied
+    # back, six passes over them (on a CPU, 45 MB of ResNet-18 gradients take 30-40 ms so).
+    all_reduce = link.all_reduce(grad_bytes, layout.dp) + (6 * grad_bytes / bandwidth if layout.dp > 1 else 0.0)
     per_tensor = max(tensors) * pricing.tensor_overhead
     optimizer = most * ADAMW_BYTES_PER_PARAM / bandwidth + per_tensor
     casts = most * (4 + pricing.weight_cast_bytes) / bandwidth if pricing.weight_cast_bytes else 0.0
