@@ -8,7 +8,8 @@ statistics once per micro-batch, ``m`` momentum steps of ``B / m`` samples each.
   False, which makes torch's forward (and timm's ``BatchNormAct2d``, a copy of it) use batch
   statistics and leave the buffers alone in train(), and still use the running statistics in
   eval();
-* collects, in a forward pre-hook, the micro-batch's per-channel mean and biased variance into
+* collects the micro-batch's per-channel mean and biased variance (from the norm's own kernel,
+  see [Note: statistics from the norm's own kernel], or in a forward pre-hook) into
   preallocated buffers (``autopipe_sums``: the sums over micro-batches of ``mean - running_mean``,
   of its square and of the variance; ``autopipe_counts``: micro-batches and elements). Only
   in-place tensor ops, so a CUDA graph replays them and a compiled stage keeps them in its graph;
@@ -315,9 +316,9 @@ class BatchNormStats:
 
 # [Note: statistics from the norm's own kernel]
 # Computing a micro-batch's statistics a second time (a reduction over the input, then a dozen
-# small kernels to fold them in) cost ResNet-50 on one H200 (bf16, 4 micro-batches of 32) 51% of
-# an eager step and 19% with CUDA graphs (benchmarks/batchnorm_cost.py): 53 norms x 4
-# micro-batches of kernel launches. The batch norm's own training kernel already reduces its
+# small kernels to fold them in) cost ResNet-50 on one H200 (bf16, 4 micro-batches of 32) 36% of
+# an eager step and 32% with CUDA graphs over per-micro-batch norms (benchmarks/batchnorm_cost.py):
+# 53 norms x 4 micro-batches of kernel launches; this way, 21% and 7%. The batch norm's own training kernel already reduces its
 # input and can write the result: a layer of torch's BatchNorm classes (or timm's
 # BatchNormAct2d) runs, while collecting, as ``F.batch_norm`` with running statistics of its own
 # (``autopipe_batch``, momentum 1: the kernel leaves the micro-batch's mean and unbiased variance
