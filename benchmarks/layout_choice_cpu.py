@@ -5,8 +5,8 @@
 Two gloo processes of one thread each (these machines have 2 cores). For each model (a small
 timm ViT and a small torchvision ResNet, 32x32 images):
 1. the links are measured (``measure_links``: point to point and all-reduce over gloo), the
-   driver's host time per compute is measured on a one-layer model, the optimizer's per
-   parameter tensor on copies of the model's parameters; what transfers cost while both
+   driver's host time per compute is measured on a one-layer model, the optimizer's bytes per
+   parameter and host time per tensor on parameters of the model's shapes; what transfers cost while both
    processes compute is fitted on another model (``in_situ_costs``: a pipeline rank's host time
    per tensor sent or received, and the latency of a tensor-parallel collective); and the graph
    is profiled on the CPU at every micro-batch size a layout uses, plain and with activation
@@ -82,12 +82,9 @@ def driver_overhead() -> float:
     return seconds / 32  # 16 forwards and 16 backwards
 
 
-def tensor_overhead(model: nn.Module, bandwidth: float) -> float:
-    """Host seconds per parameter tensor of an AdamW step, beyond its bytes at ``bandwidth``:
-    AdamW stepped over copies of ``model``'s parameters (median of 20)."""
-    from autopipe.search.predict import ADAMW_BYTES_PER_PARAM
-
-    params = [nn.Parameter(p.detach().clone()) for p in model.parameters()]
+def _adamw_seconds(shapes: list[torch.Size]) -> float:
+    """An AdamW step over fresh parameters of ``shapes`` (median of 20, the slowest rank's)."""
+    params = [nn.Parameter(torch.randn(shape)) for shape in shapes]
     for p in params:
         p.grad = torch.randn_like(p)
     opt = torch.optim.AdamW(params, lr=1e-3)
@@ -98,9 +95,19 @@ def tensor_overhead(model: nn.Module, bandwidth: float) -> float:
         times.append(time.perf_counter() - begin)
     seconds = torch.tensor([statistics.median(times[5:])])
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # every rank prices alike, so ranks the layouts alike
-    seconds = float(seconds)
-    moved = sum(p.numel() for p in params) * ADAMW_BYTES_PER_PARAM / bandwidth
-    return max(seconds - moved, 0.0) / len(params)
+    return float(seconds)
+
+
+def optimizer_costs(model: nn.Module, bandwidth: float) -> tuple[float, float]:
+    """(bytes per parameter at ``bandwidth``, host seconds per tensor) of an AdamW step: timed
+    over tensors of ``model``'s shapes and over one tensor of as many elements; the difference
+    is what the tensors cost by their number. torch's AdamW takes its single-tensor path on
+    CPU, a dozen passes over each tensor: far more than the fused step's bytes."""
+    shapes = [p.shape for p in model.parameters()]
+    count = sum(s.numel() for s in shapes)
+    many, one = _adamw_seconds(shapes), _adamw_seconds([torch.Size([count])])
+    per_tensor = max(many - one, 0.0) / max(len(shapes) - 1, 1)
+    return max(one - per_tensor, 0.0) / count * bandwidth, per_tensor
 
 
 class Fan(nn.Module):
@@ -122,7 +129,7 @@ FAN_PIPELINES = ("pp2 tp1 dp1 m4 1f1b", "pp2 tp1 dp1 m8 1f1b", "pp2 tp1 dp1 m16 
 FAN_SHARDS = ("pp1 tp2 dp1 m1", "pp1 tp2 dp1 m2", "pp1 tp2 dp1 m4")
 
 
-def in_situ_costs(links: Any, overhead: float, per_tensor: float, cpu: Any,
+def in_situ_costs(links: Any, overhead: float, optimizer: tuple[float, float], cpu: Any,
                   batch: int = 16) -> tuple[float, Any, list]:
     """What transfers cost while the two processes compute, fitted on ``Fan`` (not a model the
     benchmark checks): its layouts are measured, then priced by the search at a grid of values,
@@ -155,8 +162,8 @@ def in_situ_costs(links: Any, overhead: float, per_tensor: float, cpu: Any,
     def price(links: Any, transfer: float, wanted: tuple[str, ...]) -> dict[str, float]:
         result = plan_layout(model, devices=2, batch=batch, device=cpu, links=links, measured=profiles,
                              example_inputs=(torch.randn(sizes[0], 64, 256),), mixed_precision=None,
-                             modes=("eager",), action_overhead=overhead, tensor_overhead=per_tensor,
-                             transfer_overhead=transfer, recompute_options=(False,), sequence_parallel=False,
+                             modes=("eager",), action_overhead=overhead, optimizer_bytes=optimizer[0],
+                             tensor_overhead=optimizer[1], transfer_overhead=transfer, recompute_options=(False,), sequence_parallel=False,
                              exact=10**6, timeline=False)
         out = {}
         for p in result.ranked:
@@ -209,7 +216,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any)
     links = measure_links("cpu")
     overhead = driver_overhead()
     cpu = measure_profile("cpu")
-    per_transfer, links, fan_rows = in_situ_costs(links, overhead, tensor_overhead(Fan(), cpu.mem_bandwidth), cpu)
+    per_transfer, links, fan_rows = in_situ_costs(links, overhead, optimizer_costs(Fan(), cpu.mem_bandwidth), cpu)
     if rank == 0:
         print(f"transfer overhead {per_transfer * 1e6:.0f} us per tensor, collective latency "
               f"{links.collective_latency * 1e6:.0f} us; fitted on " + ", ".join(
@@ -227,11 +234,12 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any)
             for recompute in (False, True):
                 profiles.append(profile_graph(traced, RunSetup("cpu", reps=5, warmup=2, recompute=recompute),
                                               segments=8))
-        per_tensor = tensor_overhead(model, cpu.mem_bandwidth)
+        optimizer_bytes, per_tensor = optimizer_costs(model, cpu.mem_bandwidth)
         result = plan_layout(model, devices=world, batch=args.batch, device=cpu, links=links, measured=profiles,
                              example_inputs=(torch.randn(sizes[0], 3, 32, 32),), mixed_precision=None,
                              modes=("eager",), action_overhead=overhead,
-                             tensor_overhead=per_tensor, transfer_overhead=per_transfer, exact=10**6,
+                             optimizer_bytes=optimizer_bytes, tensor_overhead=per_tensor,
+                             transfer_overhead=per_transfer, exact=10**6,
                              timeline=False)
         g = torch.Generator().manual_seed(1)
         x, y = torch.randn(args.batch, 3, 32, 32, generator=g), torch.randint(0, 10, (args.batch,), generator=g)
@@ -259,7 +267,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any)
             rows.append({"model": name, "chosen": str(result.best.layout), "search_seconds": result.seconds,
                          "links": links.source, "driver_overhead": overhead, "transfer_overhead": per_transfer,
                          "transfer_fit": fan_rows,
-                         "tensor_overhead": per_tensor, "link_model": dataclasses.asdict(links)})
+                         "tensor_overhead": per_tensor, "optimizer_bytes": optimizer_bytes, "link_model": dataclasses.asdict(links)})
     if rank == 0:
         out.put(rows)
     dist.destroy_process_group()

@@ -323,3 +323,13 @@ def test_the_dp_all_reduce_pays_for_the_bucket_copies():
     assert p.parts["dp_all_reduce"] == pytest.approx(pricing.links.all_reduce(grads, 2) + copies)
     one = predict(graph, Layout(1, 1, 1, 1, 1, "1f1b", False, False, "eager"), dataclasses.replace(pricing, batch=4))
     assert one.parts["dp_all_reduce"] == 0.0
+
+
+def test_the_optimizer_step_is_priced_by_its_bytes_per_parameter():
+    graph = GraphCosts(_vit_graph(), 2)
+    layout = Layout(1, 1, 1, 1, 1, "1f1b", False, False, "eager")
+    fused = predict(graph, layout, _pricing(2, "cpu"))
+    unfused = predict(graph, layout, dataclasses.replace(_pricing(2, "cpu"), optimizer_bytes=96.0))
+    params = float(graph.param_count.sum())
+    bandwidth = get_profile("cpu").mem_bandwidth
+    assert unfused.parts["optimizer"] - fused.parts["optimizer"] == pytest.approx(params * (96.0 - 32.0) / bandwidth)

@@ -57,6 +57,7 @@ class Pricing:
     weight_cast_bytes: float = 0.0  # bytes per parameter of the low-precision weight copies (2 under bf16)
     action_overhead: float = 0.0  # host seconds per compute the driver adds
     tensor_overhead: float = 0.0  # host seconds per parameter tensor of the optimizer's step and the norm
+    optimizer_bytes: float = ADAMW_BYTES_PER_PARAM  # bytes the optimizer's step moves per parameter
     transfer_overhead: float = 0.0  # host seconds per tensor sent or received between pipeline stages
 
 
@@ -160,7 +161,7 @@ def predict(graph: GraphCosts, layout: Layout, pricing: Pricing, *, timeline: bo
     # back, six passes over them (on a CPU, 45 MB of ResNet-18 gradients take 30-40 ms so).
     all_reduce = link.all_reduce(grad_bytes, layout.dp) + (6 * grad_bytes / bandwidth if layout.dp > 1 else 0.0)
     per_tensor = max(tensors) * pricing.tensor_overhead
-    optimizer = most * ADAMW_BYTES_PER_PARAM / bandwidth + per_tensor
+    optimizer = most * pricing.optimizer_bytes / bandwidth + per_tensor
     casts = most * (4 + pricing.weight_cast_bytes) / bandwidth if pricing.weight_cast_bytes else 0.0
     # The global gradient norm step() takes (non-finite steps are skipped): a pass over the
     # gradients and a scalar all-reduce over the mesh.

@@ -123,7 +123,7 @@ def _estimate(graph: GraphCosts, layout: Layout, pricing: Pricing, cuts: dict) -
     params = float(graph.param_count.sum()) / layout.pp
     grads = float(graph.param_bytes.sum()) / layout.pp
     step = pipeline + pricing.links.all_reduce(grads, layout.dp) + \
-        params * pricing_module.ADAMW_BYTES_PER_PARAM / pricing.profile.mem_bandwidth
+        params * pricing.optimizer_bytes / pricing.profile.mem_bandwidth
     # Memory: state of the fullest stage's rank, activations of the micro-batches it holds.
     state = np.concatenate(([0.0], np.cumsum(graph.state_bytes + graph.param_count * pricing.weight_cast_bytes)))
     saved = np.concatenate(([0.0], np.cumsum(graph.saved_ref * size / graph.reference_size
