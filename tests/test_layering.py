@@ -10,7 +10,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "autopipe"
 # Lowest first. A unit is a folder of autopipe/ or a module directly in it; a unit may import
 # from its own layer's other units only where the list says so (none do today).
 LAYERS: list[set[str]] = [
-    {"errors", "graph"},  # core
+    {"errors", "graph", "memory_format"},  # core
     {"failure", "models"},  # failure propagation below every wait it watches; model specs
     {"tracer"},
     {"shard"},

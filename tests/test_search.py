@@ -97,6 +97,38 @@ def test_checkpointed_layouts_take_a_checkpointed_profile_and_rerun_the_collecti
     assert shard.calls.sum() > 0 and fwd_r == pytest.approx(fwd) and bwd_r == pytest.approx(bwd + fwd)
 
 
+def test_a_sharded_node_keeps_its_fixed_time_whole():
+    """[Note: fixed time of a sharded node]: with profiles at two sizes, a node's time a + b x size
+    splits into its fixed part a, which every tp rank pays whole, and the part that grows with
+    the batch, which sharding divides; from one profile, the whole time is divided."""
+    from autopipe.measure import RunSetup, profile_graph
+
+    traced = _vit_graph()
+    cpu = get_profile("cpu")
+    timed = profile_graph(traced, RunSetup("cpu", reps=1, warmup=1), segments=2)
+    fixed, per_sample = 2e-4, 1e-4
+
+    def at(size: int):
+        return dataclasses.replace(timed, input_shapes=[[size, 3, 32, 32]],
+                                   node_seconds={n: fixed + per_sample * size for n in timed.node_seconds})
+
+    plan = plan_sharding(traced, 2)
+    one = GraphCosts(traced, 2, shard_plan=plan, measured=[at(4)])
+    two = GraphCosts(traced, 2, shard_plan=plan, measured=[at(1), at(4)])
+    f1, b1 = one.node_times(4, cpu)
+    f2, b2 = two.node_times(4, cpu)
+    sharded = [i for i, c in enumerate(two.costs) if c is not two.unsharded[i] and two.order[i] in timed.node_seconds]
+    assert sharded
+    for i in sharded:
+        share = (f1[i] + b1[i]) / (fixed + 4 * per_sample)  # this rank's share of the node's work
+        assert share < 0.75
+        assert f2[i] + b2[i] == pytest.approx(fixed + 4 * per_sample * share, rel=1e-6)
+    whole = [i for i in range(len(two.order)) if i not in sharded and two.order[i] in timed.node_seconds]
+    assert (f2 + b2)[whole] == pytest.approx((f1 + b1)[whole])
+    plain1, plain2 = GraphCosts(traced, 2, measured=[at(4)]), GraphCosts(traced, 2, measured=[at(1), at(4)])
+    assert sum(plain2.node_times(4, cpu)) == pytest.approx(sum(plain1.node_times(4, cpu)))
+
+
 def test_layouts_cover_the_degrees_and_say_why_others_cannot_run():
     found, refused = [], []
     for layout, what, why in layouts(4, 6, modes=("eager",), recompute_options=(False,)):
@@ -230,6 +262,33 @@ def test_link_model_round_trips_and_checks(tmp_path):
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(ConfigError, match="autopipe links"):
         LinkModel.load(tmp_path / "bad.json")
+    in_step = dataclasses.replace(links, tp_latency=1e-3, tp_bandwidth=2e8)
+    in_step.save(tmp_path / "t.json")
+    assert LinkModel.load(tmp_path / "t.json") == in_step
+    with pytest.raises(ConfigError, match="tp_bandwidth"):
+        dataclasses.replace(links, tp_bandwidth=0.0)
+
+
+def test_tensor_parallel_collectives_are_priced_at_their_in_step_figures():
+    """[Note: collectives in a step]: where the links carry in-step figures for the tensor-parallel
+    collectives, those price them (calls x latency + bytes / bandwidth per micro-batch), and
+    the data-parallel all-reduce keeps the idle ones."""
+    graph = GraphCosts(_vit_graph(), 2, shard_plan=plan_sharding(_vit_graph(), 2))
+    pricing = _pricing(8, "cpu")
+    tp = Layout(1, 2, 1, 2, 1, "1f1b", False, False, "eager")
+    idle = predict(graph, tp, pricing)
+    slow = dataclasses.replace(pricing.links, tp_latency=pricing.links.collective_latency + 1e-3,
+                               tp_bandwidth=pricing.links.collective_bandwidth / 2)
+    in_step = predict(graph, tp, dataclasses.replace(pricing, links=slow))
+    size = tp.microbatch_size(8)
+    moved = float(graph.moved_ref.sum()) * size / graph.reference_size
+    extra = tp.microbatches * (graph.calls.sum() * 1e-3 + moved / pricing.links.collective_bandwidth)
+    assert graph.calls.sum() > 0
+    assert in_step.step_seconds - idle.step_seconds == pytest.approx(extra, rel=1e-6)
+    dp = Layout(1, 1, 2, 1, 1, "1f1b", False, False, "eager")
+    plain = GraphCosts(_vit_graph(), 2)
+    assert predict(plain, dp, dataclasses.replace(pricing, links=slow)).parts["dp_all_reduce"] == \
+        pytest.approx(predict(plain, dp, pricing).parts["dp_all_reduce"])
 
 
 def _auto_rank(rank: int, world: int) -> dict:

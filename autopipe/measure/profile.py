@@ -106,10 +106,14 @@ def profile_graph(traced: TracedModel, setup: RunSetup, *, segments: int | None 
         # On a CPU the ops run as they are called, so a segment's wall time is exact and the
         # profiler's own cost (a few us an op) is not: its op times only split the segment.
         # Every segment also pays a stage's fixed cost once; the whole graph timed as one stage
-        # tells how much: ``overhead``, which a plan adds once per stage.
-        whole = _share(lambda: {0: time_stages(traced, partition_at(traced, [0], device=analytic,
-                                                                    activation_dtype=setup.compute_dtype),
-                                               setup)[0]} if rank == 0 else {}, group, world)[0].seconds
+        # tells how much: ``overhead``, which a plan adds once per stage. Every rank times it
+        # at once, as they time their segments and as they train: ranks on one machine share
+        # its caches and memory bandwidth (ResNet-18 at 8 samples: 13% slower with the other
+        # core busy), and one rank timing it alone made every stage that much too short.
+        wholes = _share(lambda: {rank: time_stages(traced, partition_at(traced, [0], device=analytic,
+                                                                         activation_dtype=setup.compute_dtype),
+                                                   setup)[0]}, group, world)
+        whole = statistics.fmean(t.seconds for t in wholes.values())
         total = sum(seg.seconds for seg in segs)
         overhead = min(max((total - whole) / max(len(segs) - 1, 1), 0.0), 0.5 * whole)
         scale = (whole - overhead) / total if total > 0 else 1.0

@@ -40,6 +40,7 @@ from autopipe.errors import ProfileError
 from autopipe.partition.device import EXECUTION_MODES, _materialise
 from autopipe.partition.plan import PartitionPlan
 from autopipe.runtime.graphs import StageGraphs
+from autopipe.memory_format import channels_last_model
 from autopipe.runtime.p2p import TensorSpec
 from autopipe.runtime.preparation import prepare_stage
 from autopipe.runtime.weight_casts import WeightCasts
@@ -108,7 +109,8 @@ def time_stages(traced: TracedModel, plan: PartitionPlan, setup: RunSetup,
     wanted = set(range(plan.num_stages) if indices is None else indices)
     last_needed = max(wanted, default=-1)
     stages = emit_stages(traced, plan, range(last_needed + 1))
-    inputs = _model_inputs(traced, setup.device)
+    layout = torch.channels_last if channels_last_model(traced.gm) else torch.contiguous_format
+    inputs = _model_inputs(traced, setup.device, layout)
     out: dict[int, StageTiming] = {}
     for i in range(last_needed + 1):
         last = i == plan.num_stages - 1
@@ -124,15 +126,21 @@ def time_stages(traced: TracedModel, plan: PartitionPlan, setup: RunSetup,
             stage = _prepare(stages.pop(i), RunSetup(setup.device, "eager", setup.compute_dtype), last=last)
             with torch.no_grad():
                 outputs = stage(*inputs)
-        # What the next stage receives: a contiguous copy, as the pipeline's receive buffers are.
-        inputs = tuple(t.detach().contiguous() for t in outputs)
+        # What the next stage receives: a dense copy in the boundary's layout, as the pipeline's
+        # receive buffers are (see [Note: boundary layout]).
+        inputs = tuple(_received(t.detach(), layout) for t in outputs)
         del stage
     return out
 
 
-def _model_inputs(traced: TracedModel, device: torch.device) -> tuple[torch.Tensor, ...]:
-    return tuple(torch.randn(s, device=device).to(d) if d.is_floating_point else
-                 torch.zeros(s, dtype=d, device=device)
+def _received(t: torch.Tensor, layout: torch.memory_format) -> torch.Tensor:
+    return t.contiguous(memory_format=layout if t.dim() == 4 else torch.contiguous_format)
+
+
+def _model_inputs(traced: TracedModel, device: torch.device,
+                  layout: torch.memory_format = torch.contiguous_format) -> tuple[torch.Tensor, ...]:
+    return tuple(_received(torch.randn(s, device=device).to(d) if d.is_floating_point else
+                           torch.zeros(s, dtype=d, device=device), layout)
                  for s, d in zip(traced.input_shapes, traced.input_dtypes))
 
 
@@ -155,7 +163,8 @@ def _time(stage: nn.Module, inputs: Sequence[torch.Tensor], grads: Sequence[bool
     xs = [x.detach().requires_grad_(g) for x, g in zip(inputs, grads)]
     graphs = None
     if setup.mode.endswith("graphs"):
-        specs = [TensorSpec(tuple(x.shape), x.dtype) for x in xs]
+        specs = [TensorSpec(tuple(x.shape), x.dtype, x.dim() == 4 and not x.is_contiguous()
+                            and x.is_contiguous(memory_format=torch.channels_last)) for x in xs]
         graphs = StageGraphs(stage, specs, grads, 1, setup.device)
         graphs.prepare_grads()
     seeds: list[torch.Tensor] | None = None

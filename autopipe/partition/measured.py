@@ -32,6 +32,7 @@ from torch.fx.node import _get_qualified_name
 
 from autopipe.errors import ProfileError
 from autopipe.graph import tensor_values, value_of
+from autopipe.memory_format import channels_last_model
 
 __all__ = ["MeasuredCosts", "Segment", "fingerprint", "spread", "dtype_name", "SCHEMA_VERSION"]
 
@@ -178,8 +179,11 @@ def _target(gm: fx.GraphModule, node: fx.Node) -> str:
 
 
 def fingerprint(gm: fx.GraphModule) -> str:
-    """A hash of the graph's structure, targets, shapes and dtypes (see [Note: measured costs])."""
+    """A hash of the graph's structure, targets, shapes and dtypes, and of its layout where it is
+    channels-last (which changes every convolution's kernels; see [Note: measured costs])."""
     h = hashlib.sha256()
+    if channels_last_model(gm):  # a plain model's fingerprint stays what it was
+        h.update(b"channels_last")
     for node in gm.graph.nodes:
         values = [(tuple(t.shape), str(t.dtype)) for t in tensor_values(value_of(node))]
         line = [node.op, node.name, _target(gm, node), _describe(node.args), _describe(node.kwargs), values]

@@ -67,7 +67,7 @@ class BatchShapes:
         if s == 0:
             specs = list(self.input_specs or [])
             if self.key(size) is not None:
-                specs = [TensorSpec((size, *spec.shape[1:]), spec.dtype) for spec in specs]
+                specs = [TensorSpec((size, *spec.shape[1:]), spec.dtype, spec.channels_last) for spec in specs]
         else:
             specs = self.of(size)[1][s - 1]
         return specs, [s > 0 and spec.dtype.is_floating_point for spec in specs]

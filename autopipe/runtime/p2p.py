@@ -21,20 +21,44 @@ __all__ = [
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """Shape and dtype of one tensor crossing a stage boundary, for one micro-batch."""
+    """Shape, dtype and layout of one tensor crossing a stage boundary, for one micro-batch.
+    ``channels_last``: a 4-D tensor of a model in channels-last layout travels and lands in it
+    (see [Note: boundary layout] in autopipe/memory_format.py)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
+    channels_last: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(n) for n in self.shape))
+        object.__setattr__(self, "channels_last", bool(self.channels_last) and len(self.shape) == 4)
 
     @property
     def floating(self) -> bool:
         return self.dtype.is_floating_point
 
+    @property
+    def memory_format(self) -> torch.memory_format:
+        return torch.channels_last if self.channels_last else torch.contiguous_format
+
+    def empty(self, device: torch.device) -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, device=device, memory_format=self.memory_format)
+
+    def packed(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` dense in this spec's layout (a copy only where it is not), as it is sent."""
+        return x.contiguous(memory_format=self.memory_format)
+
     def __str__(self) -> str:
         return f"{tuple(self.shape)} {str(self.dtype).removeprefix('torch.')}"
+
+
+def _wire(x: torch.Tensor) -> torch.Tensor:
+    """What travels for ``x``: itself, or for a channels-last tensor the NHWC view of its memory
+    (contiguous; gloo sends and receives contiguous tensors only). Both ends of a transfer hold
+    tensors of the same spec, so both take the same view."""
+    if x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
+        return x.permute(0, 2, 3, 1)
+    return x
 
 
 def floating_indices(specs: Sequence[TensorSpec]) -> tuple[int, ...]:
@@ -146,7 +170,7 @@ class P2P:
         handles = []
         for t in transfers:
             op, group, peer = dist.isend if t.send else dist.irecv, self.link(t.send, t.peer), self._global[t.peer]
-            handles.append(Handle([op(x, peer, group=group) for x in t.tensors], t))
+            handles.append(Handle([op(_wire(x), peer, group=group) for x in t.tensors], t))
         return handles
 
     def connect(self, links: Sequence[Link], device: torch.device, wait: Callable[[list, str], None]) -> None:
@@ -177,7 +201,7 @@ class BufferPool:
         free = self._free.get(key)
         if free:
             return free.pop()
-        return [torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in specs]
+        return [s.empty(self.device) for s in specs]
 
     def release(self, key: object, buffers: list[torch.Tensor], live: Sequence[torch.Tensor | None] = ()) -> None:
         """Returns ``buffers`` to the pool unless one shares memory with a tensor in ``live``.

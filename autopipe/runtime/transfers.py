@@ -66,7 +66,7 @@ class StepTransfers:
         for t in batch:
             kind, s, mb = t.kind, t.stage, t.microbatch
             if t.send:
-                tensors = [x.contiguous() for x in self.outbox.pop((s, mb))]
+                tensors = [spec.packed(x) for x, spec in zip(self.outbox.pop((s, mb)), self._sent_specs(kind, s, mb))]
             elif kind is ActionKind.RECV_ACT:
                 tensors = self.pool.acquire(self._key(kind, s, mb), self._specs[mb][s - 1])
             else:
@@ -104,6 +104,13 @@ class StepTransfers:
         while self._sends:
             pending, handle = self._sends.popleft()
             self.monitor.wait(pending, handle.what, on_stream=True)
+
+    def _sent_specs(self, kind: ActionKind, s: int, mb: int) -> list[TensorSpec]:
+        """The specs the peer received stage ``s``'s sent tensors into: its outputs' (activations)
+        or, for gradients, the floating ones of its inputs'."""
+        if kind is ActionKind.SEND_ACT:
+            return self._specs[mb][s]
+        return [spec for spec in self._specs[mb][s - 1] if spec.floating]
 
     def _key(self, kind: ActionKind, s: int, mb: int) -> tuple:
         return ("act" if kind is ActionKind.RECV_ACT else "grad", s, self._keys[mb])

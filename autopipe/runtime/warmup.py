@@ -30,7 +30,8 @@ def stand_in_inputs(specs: Sequence[TensorSpec], grad_inputs: Sequence[bool],
     ``grad_inputs`` require grad, as received activations do."""
     return tuple(
         (torch.randn(s.shape, device=device).to(s.dtype) if s.dtype.is_floating_point
-         else torch.zeros(s.shape, dtype=s.dtype, device=device)).requires_grad_(g)
+         else torch.zeros(s.shape, dtype=s.dtype, device=device)).contiguous(memory_format=s.memory_format)
+        .requires_grad_(g)
         for s, g in zip(specs, grad_inputs)
     )
 

@@ -11,6 +11,16 @@ NCCL's sense (an all-reduce of B bytes over n ranks moves 2 (n - 1) / n x B per 
 all-reduces over the group, at several sizes; latency and bandwidth are the line through
 the times with the least relative error) and ``autopipe links`` writes the result for ``autopipe plan``. Without
 a measurement the device profile's link figures stand in, marked as such.
+
+[Note: collectives in a step]
+An idle all-reduce says little of what a tensor-parallel collective costs inside a step.
+On 2 gloo processes of one thread on a 2-core CPU, ViT's all-reduces of one micro-batch took
+1.25 ms at 33 KB, 1.75 ms at 133 KB and 3.2 ms at 532 KB inside train_step (timed around each
+call; ResNet-18's 1.5 ms at 34-137 KB), against 0.27 ms and about 1 GB/s idle: the ranks reach
+each one at different times, and the processes that post and wait on it share the cores the
+compute runs on. Where such figures were measured (``layout_choice_cpu.py`` fits them on a
+model of its own), ``tp_latency`` and ``tp_bandwidth`` price the tensor-parallel collectives;
+the data-parallel all-reduce of the gradients, a few large buckets, keeps the idle figures.
 """
 from __future__ import annotations
 
@@ -40,10 +50,16 @@ class LinkModel:
     collective_latency: float
     collective_bandwidth: float
     source: str = "device profile"  # "measured on ..." when measure_links made it
+    # A tensor-parallel collective of one micro-batch as it costs inside a training step, where
+    # that was measured apart (see [Note: collectives in a step]); None: as an idle all-reduce.
+    tp_latency: float | None = None
+    tp_bandwidth: float | None = None
 
     def __post_init__(self) -> None:
-        bad = [f"{k}={v!r}" for k, v in asdict(self).items() if k != "source" and not (v >= 0 and v < float("inf"))]
-        bad += [f"{k}={getattr(self, k)!r}" for k in ("p2p_bandwidth", "collective_bandwidth") if not getattr(self, k) > 0]
+        bad = [f"{k}={v!r}" for k, v in asdict(self).items()
+               if k != "source" and v is not None and not (v >= 0 and v < float("inf"))]
+        bad += [f"{k}={getattr(self, k)!r}" for k in ("p2p_bandwidth", "collective_bandwidth", "tp_bandwidth")
+                if getattr(self, k) is not None and not getattr(self, k) > 0]
         if bad:
             raise ConfigError(f"link model needs positive bandwidths and non-negative latencies, got {', '.join(bad)}")
 
@@ -62,9 +78,12 @@ class LinkModel:
             return 0.0
         return self.collective_latency + 2 * (ranks - 1) / ranks * nbytes / self.collective_bandwidth
 
-    def collectives(self, moved_bytes: float, calls: int) -> float:
-        """Seconds of ``calls`` collectives moving ``moved_bytes`` per rank in all."""
-        return calls * self.collective_latency + moved_bytes / self.collective_bandwidth
+    def collectives(self, moved_bytes: Any, calls: Any) -> Any:
+        """Seconds of ``calls`` tensor-parallel collectives moving ``moved_bytes`` per rank in all
+        (numbers or arrays), at the in-step figures where there are some."""
+        latency = self.collective_latency if self.tp_latency is None else self.tp_latency
+        bandwidth = self.collective_bandwidth if self.tp_bandwidth is None else self.tp_bandwidth
+        return calls * latency + moved_bytes / bandwidth
 
     def save(self, path: str | os.PathLike[str]) -> None:
         with open(path, "w") as f:
@@ -76,7 +95,8 @@ class LinkModel:
             with open(path) as f:
                 data = json.load(f)
             return cls(**{k: data[k] for k in ("p2p_latency", "p2p_bandwidth", "collective_latency",
-                                                "collective_bandwidth", "source")})
+                                                "collective_bandwidth", "source")},
+                       **{k: data[k] for k in ("tp_latency", "tp_bandwidth") if data.get(k) is not None})
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"cannot read the link model {os.fspath(path)!r} ({type(exc).__name__}: {exc}); "
                               "measure it again with `torchrun --nproc-per-node N -m autopipe links --out FILE`") \
@@ -111,9 +131,10 @@ def _timed(fn: Any, device: torch.device, reps: int) -> float:
 
 
 def measure_links(device: torch.device | str, *, group: Any = None,
-                  sizes: Sequence[int] = (1 << 12, 1 << 18, 1 << 22, 1 << 24), reps: int = 10) -> LinkModel:
+                  sizes: Sequence[int] = (1 << 12, 1 << 18, 1 << 22, 1 << 24, 1 << 25), reps: int = 10) -> LinkModel:
     """Time point-to-point transfers between ranks 0 and 1 and all-reduces over ``group``, at
-    ``sizes`` bytes; every rank of the group calls it and gets the same model."""
+    ``sizes`` bytes (up to a gradient bucket's: gloo's bandwidth still grows past 16 MB); every
+    rank of the group calls it and gets the same model."""
     if not dist.is_initialized() or dist.get_world_size(group) < 2:
         raise ConfigError("measuring links needs two processes or more: launch with "
                           "`torchrun --nproc-per-node 2 -m autopipe links --out FILE`")

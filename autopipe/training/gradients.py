@@ -88,7 +88,10 @@ def global_grad_norm(
     grads = [p.grad for p in counted if p.grad is not None]
     total = torch.zeros((), dtype=torch.float32, device=device)
     if grads:
-        total = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
+        # One read of each gradient (pow(2).sum() writes and reads a temporary as large).
+        low = (torch.float16, torch.bfloat16)
+        total = torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float32 if g.dtype in low else None).float()
+                             for g in grads]).square().sum()
     for group in groups:
         if group is not None and dist.get_world_size(group) > 1:
             wait_works([dist.all_reduce(total, group=group, async_op=True)],

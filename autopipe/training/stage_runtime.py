@@ -14,6 +14,7 @@ from ..failure.monitor import FailureMonitor
 from ..partition.plan import PartitionPlan
 from ..runtime.batchnorm import BatchNormStats
 from ..runtime.driver import PipelineDriver, StageSet
+from ..memory_format import channels_last_model
 from ..runtime.p2p import TensorSpec
 from ..runtime.preparation import prepare_stage
 from ..runtime.timeline import Timeline
@@ -71,11 +72,12 @@ class StageRuntime:
     timeline: Timeline | None = field(default=None, init=False)
     driver: PipelineDriver = field(init=False)
     grad_scale: float = field(default=1.0, init=False)  # the current train_step's grad_scale
+    _channels_last: bool = field(default=False, init=False)  # 4-D boundary tensors in channels-last
 
     def _spec(self, shape: Any, dtype: torch.dtype) -> TensorSpec:
         if self.compute_dtype is not None and dtype.is_floating_point:
             dtype = self.compute_dtype
-        return TensorSpec(tuple(shape), dtype)
+        return TensorSpec(tuple(shape), dtype, self._channels_last)
 
     def _wrap(self, i: int, stage: nn.Module) -> None:
         prepare_stage(stage, device_type=self.mesh.device.type, compute_dtype=self.compute_dtype,
@@ -99,6 +101,7 @@ class StageRuntime:
 
     def _start(self) -> None:
         plan, last = self.plan, self.plan.num_stages - 1
+        self._channels_last = channels_last_model(self.traced.gm)  # see [Note: boundary layout]
 
         def boundary(p: PartitionPlan) -> list[list[TensorSpec]]:
             return [[self._spec(c.shape, _dtype(c.dtype)) for c in p.stages[k].outputs] for k in range(last)]
@@ -111,7 +114,8 @@ class StageRuntime:
             self._wrap(i, stage)
         self.timeline = Timeline(self.mesh.rank, cuda_events=self.mesh.device.type == "cuda") \
             if self.record_timeline else None
-        input_specs = [TensorSpec(s, d) for s, d in zip(self.traced.input_shapes, self.traced.input_dtypes)]
+        input_specs = [TensorSpec(s, d, self._channels_last)
+                       for s, d in zip(self.traced.input_shapes, self.traced.input_dtypes)]
         mode = self.eval_stages
         eval_set = None if mode is None else StageSet(
             mode.stages, boundary(mode.plan), mode.traced.unflatten_output,

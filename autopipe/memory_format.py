@@ -1,0 +1,28 @@
+"""The layout 4-D tensors cross stage boundaries in.
+
+[Note: boundary layout]
+A convolutional model moved to channels-last (``model.to(memory_format=torch.channels_last)``)
+runs its convolutions and batch norms on NHWC kernels, far faster on GPUs (ResNet-50's first
+batch norm, 32 x 64 x 112 x 112 in bf16 on an H200: 1.15 ms forward and backward in NCHW, 0.33
+ms in NHWC). A stage boundary must not undo it: a received activation laid out NCHW makes the
+next stage's first batch norm take its NCHW kernel and its first convolution convert its input.
+So where the model's 4-D weights are channels-last, every 4-D tensor crossing a boundary is
+sent, received and handed on in channels-last (``TensorSpec.channels_last``), its gradient
+too; the profiler's timer hands stages their inputs the same way. Every rank traces the same
+model, so every rank reaches the same answer.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+__all__ = ["channels_last_model"]
+
+
+def channels_last_model(module: nn.Module) -> bool:
+    """Whether ``module``'s 4-D parameters (convolution weights) are laid out channels-last:
+    all of them, and at least one that is not also plain contiguous (a 1x1 kernel is both)."""
+    weights = [p for p in module.parameters() if p.dim() == 4]
+    if not weights or not all(p.is_contiguous(memory_format=torch.channels_last) for p in weights):
+        return False
+    return any(not p.is_contiguous() for p in weights)

@@ -1,0 +1,108 @@
+"""A model in channels-last layout keeps it across stage boundaries ([Note: boundary layout] in
+autopipe/memory_format.py): 4-D activations and their gradients are sent, received and timed in
+channels-last, and the pipeline trains exactly as one process does."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autopipe
+from autopipe.measure import time_plan, timer
+from autopipe.memory_format import channels_last_model
+from autopipe.partition.partitioner import partition
+from autopipe.runtime.p2p import TensorSpec
+from autopipe.tracer import trace
+from tests.distributed import run_distributed
+
+CL = torch.channels_last
+
+
+def convnet() -> nn.Module:
+    torch.manual_seed(0)
+    block = lambda i, o: nn.Sequential(nn.Conv2d(i, o, 3, padding=1), nn.BatchNorm2d(o), nn.ReLU())  # noqa: E731
+    return nn.Sequential(block(3, 16), block(16, 16), block(16, 32), block(32, 32),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(8, 3, 16, 16, generator=g).contiguous(memory_format=CL), torch.randint(0, 10, (8,), generator=g)
+
+
+def test_a_model_is_channels_last_where_its_kernels_are():
+    model = convnet()
+    assert not channels_last_model(model)
+    assert channels_last_model(model.to(memory_format=CL))
+    assert not channels_last_model(nn.Sequential(nn.Conv2d(3, 4, 1)).to(memory_format=CL))  # a 1x1 kernel is both
+    assert not channels_last_model(nn.Linear(4, 4))
+
+
+def test_spec_lays_out_4d_tensors_only():
+    spec = TensorSpec((2, 3, 4, 5), torch.float32, channels_last=True)
+    assert spec.empty(torch.device("cpu")).is_contiguous(memory_format=CL) and not spec.empty(torch.device("cpu")).is_contiguous()
+    assert spec.packed(torch.randn(2, 3, 4, 5)).is_contiguous(memory_format=CL)
+    flat = TensorSpec((2, 3), torch.float32, channels_last=True)
+    assert not flat.channels_last and flat.empty(torch.device("cpu")).is_contiguous()
+    assert TensorSpec((2, 3, 4, 5), torch.float32).memory_format == torch.contiguous_format
+
+
+def test_the_timer_hands_stages_channels_last_inputs():
+    model = convnet().to(memory_format=CL)
+    traced = trace(model, (data()[0][:2],))
+    plan = partition(traced, 2, device="cpu")
+    seen = []
+    original = timer._time
+
+    def spy(stage, inputs, grads, setup):
+        seen.append([x.is_contiguous(memory_format=CL) for x in inputs if x.dim() == 4])
+        return original(stage, inputs, grads, setup)
+
+    timer._time = spy
+    try:
+        time_plan(traced, plan, timer.RunSetup("cpu", reps=1, warmup=1))
+    finally:
+        timer._time = original
+    assert seen == [[True], [True]]
+
+
+def _train(rank: int, world: int, layout: Any) -> Any:
+    model = convnet()
+    if layout is not None:
+        model = model.to(memory_format=layout)
+    x, y = data()
+    pm = autopipe.parallelize(model, (x[:2],), pp=2, microbatches=4, loss_fn=F.cross_entropy, device="cpu",
+                              batchnorm="microbatch")
+    received = []
+    for stage in pm._runtime.stages.values():
+        stage.register_forward_pre_hook(lambda m, args: received.append(
+            [a.is_contiguous(memory_format=CL) for a in args if isinstance(a, torch.Tensor) and a.dim() == 4]))
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+    losses = []
+    for _ in range(2):
+        losses.append(pm.train_step(x, y))
+        pm.step(opt)
+        opt.zero_grad()
+    state = pm.full_state_dict()
+    pm.close()
+    return rank, [None if l is None else float(l) for l in losses], received, state
+
+
+def test_a_channels_last_pipeline_keeps_the_layout_and_trains_as_one_process():
+    results = run_distributed(_train, 2, CL, timeout=200)
+    reference = convnet().to(memory_format=CL)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x, y = data()
+    for _ in range(2):
+        for xm, ym in zip(x.split(2), y.split(2)):
+            (F.cross_entropy(reference(xm), ym) / 4).backward()
+        opt.step()
+        opt.zero_grad()
+    for rank, losses, received, state in results:
+        if rank == 1:  # stage 1's inputs arrived over gloo, in channels-last
+            assert received and all(r == [True] for r in received)
+        for name, value in reference.state_dict().items():
+            torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
