@@ -269,6 +269,19 @@ def test_link_model_round_trips_and_checks(tmp_path):
         dataclasses.replace(links, tp_bandwidth=0.0)
 
 
+def test_link_latency_is_no_more_than_the_smallest_transfer_takes():
+    from autopipe.search.links import _fit
+
+    sizes = [1 << 12, 1 << 18, 1 << 22, 1 << 24, 1 << 25]
+    exact = [1e-4 + s / 2e9 for s in sizes]
+    assert _fit(sizes, exact) == pytest.approx((1e-4, 2e9), rel=1e-6)
+    # Bandwidth that grows with size bends the line: its intercept lands above the 4 KB time.
+    bent = [3e-4, 5e-4, 4e-3, 1.1e-2, 1.6e-2]
+    latency, bandwidth = _fit(sizes, bent)
+    assert latency == pytest.approx(3e-4)
+    assert all(abs(latency + s / bandwidth - t) / t < 0.35 for s, t in zip(sizes, bent))  # a line through a bend
+
+
 def test_tensor_parallel_collectives_are_priced_at_their_in_step_figures():
     """[Note: collectives in a step]: where the links carry in-step figures for the tensor-parallel
     collectives, those price them (calls x latency + bytes / bandwidth per micro-batch), and
