@@ -16,7 +16,12 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-__all__ = ["channels_last_model"]
+__all__ = ["channels_last_model", "channels_last_dense"]
+
+
+def channels_last_dense(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a 4-D tensor laid out channels-last and not also plain contiguous."""
+    return t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
 
 
 def channels_last_model(module: nn.Module) -> bool:
@@ -25,4 +30,4 @@ def channels_last_model(module: nn.Module) -> bool:
     weights = [p for p in module.parameters() if p.dim() == 4]
     if not weights or not all(p.is_contiguous(memory_format=torch.channels_last) for p in weights):
         return False
-    return any(not p.is_contiguous() for p in weights)
+    return any(channels_last_dense(p) for p in weights)

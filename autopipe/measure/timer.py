@@ -37,10 +37,10 @@ import torch.nn as nn
 
 from autopipe.measure.kernels import NodeTimes, node_times
 from autopipe.errors import ProfileError
+from autopipe.memory_format import channels_last_dense, channels_last_model
 from autopipe.partition.device import EXECUTION_MODES, _materialise
 from autopipe.partition.plan import PartitionPlan
 from autopipe.runtime.graphs import StageGraphs
-from autopipe.memory_format import channels_last_model
 from autopipe.runtime.p2p import TensorSpec
 from autopipe.runtime.preparation import prepare_stage
 from autopipe.runtime.weight_casts import WeightCasts
@@ -163,8 +163,7 @@ def _time(stage: nn.Module, inputs: Sequence[torch.Tensor], grads: Sequence[bool
     xs = [x.detach().requires_grad_(g) for x, g in zip(inputs, grads)]
     graphs = None
     if setup.mode.endswith("graphs"):
-        specs = [TensorSpec(tuple(x.shape), x.dtype, x.dim() == 4 and not x.is_contiguous()
-                            and x.is_contiguous(memory_format=torch.channels_last)) for x in xs]
+        specs = [TensorSpec(tuple(x.shape), x.dtype, channels_last_dense(x)) for x in xs]
         graphs = StageGraphs(stage, specs, grads, 1, setup.device)
         graphs.prepare_grads()
     seeds: list[torch.Tensor] | None = None

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from autopipe.errors import ConfigError, InputError
+from autopipe.memory_format import channels_last_dense
 
 __all__ = [
     "TensorSpec", "Transfer", "Handle", "Link", "P2P", "BufferPool",
@@ -56,7 +57,7 @@ def _wire(x: torch.Tensor) -> torch.Tensor:
     """What travels for ``x``: itself, or for a channels-last tensor the NHWC view of its memory
     (contiguous; gloo sends and receives contiguous tensors only). Both ends of a transfer hold
     tensors of the same spec, so both take the same view."""
-    if x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
+    if channels_last_dense(x):
         return x.permute(0, 2, 3, 1)
     return x
 
