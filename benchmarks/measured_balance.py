@@ -110,13 +110,16 @@ def run_case(name: str, traced: Any, mb: int, mode: str, layouts: tuple, reps: i
             plan = measured_plan(traced, setup, dict(args, device=calibrated), measured=measured,
                                  options=MeasureOptions(reps=reps))
             loop_s = time.perf_counter() - begin
-            times = [s.measured_time for s in plan.stages]  # the loop's own timing of the plan it kept
+            looped = [s.measured_time for s in plan.stages]  # the loop's own timings of the plan it kept
+            times = time_plan(traced, plan, setup)  # and the kept plan timed again, every stage at once
             predicted = [s.compute_time for s in plan.stages]
             row["measured"] = {
                 "modelled_ms": [t * 1e3 for t in predicted], "measured_ms": [t * 1e3 for t in times],
                 "modelled_imbalance": plan.imbalance, "measured_imbalance": _imbalance(times),
+                "loop_ms": [t * 1e3 for t in looped], "loop_imbalance": _imbalance(looped),
                 "calibration_error": max(abs(p - t) / t for p, t in zip(predicted, times)),
-                "loop_rounds": len(plan.refinement), "loop_seconds": loop_s,
+                "loop_rounds": sum("round" in r for r in plan.refinement),
+                "loop_moves": sum("move" in r for r in plan.refinement), "loop_seconds": loop_s,
                 "loop": plan.refinement, "mlp_pieces": bool(plan.mlp_pieces)}
         rows.append(row)
         _print_row(row)

@@ -74,3 +74,35 @@ def test_graphs_no_longer_used_are_freed_before_the_next_capture():
     finally:
         if enabled:
             gc.enable()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_graphed_backward_accumulates_gradients_as_eager_does(set_to_none: bool) -> None:
+    """The backward graphs add every micro-batch's parameter gradients into .grad themselves;
+    the optimizer's zero_grad (to None, or in place) between steps changes nothing."""
+    results = {}
+    for graphs in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                              nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                              nn.Linear(8, 10))
+        pm = autopipe.parallelize(model, (torch.randn(2, 3, 16, 16),), microbatches=4, chunks=2, schedule="gpipe",
+                                  loss_fn=F.cross_entropy, device="cuda", cuda_graphs=graphs)
+        opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(3):
+            x, y = torch.randn(8, 3, 16, 16, generator=g).cuda(), torch.randint(0, 10, (8,), generator=g).cuda()
+            losses.append(float(pm.train_step(x, y)))
+            grads = {n: p.grad.clone() for n, p in pm.named_parameters()}
+            opt.step()
+            opt.zero_grad(set_to_none=set_to_none)
+        results[graphs] = losses, grads, {k: v.cpu() for k, v in pm.full_state_dict().items()}
+    (eager_losses, eager_grads, eager_state), (losses, grads, state) = results[False], results[True]
+    assert losses == pytest.approx(eager_losses, rel=1e-5)
+    for name, grad in eager_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    for name, value in eager_state.items():
+        torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-6, msg=name)

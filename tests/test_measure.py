@@ -21,7 +21,10 @@ from autopipe.errors import ConfigError, ProfileError
 from autopipe.measure import MeasureOptions, ProfileCache, RunSetup, profile_graph, segment_starts
 from autopipe.measure import _groups, _planned
 from autopipe.measure import profile as profile_module
-from autopipe.measure.closed_loop import refine
+from autopipe.measure.closed_loop import move_boundaries, refine
+from autopipe.partition.balance import least_imbalance
+from autopipe.partition.cuts import cut_candidates
+from autopipe.partition.partitioner import partition_at
 from autopipe.measure.kernels import node_times
 from autopipe.partition.calibration import Calibration, class_of, load_calibration
 from autopipe.partition.cost import graph_costs
@@ -213,6 +216,56 @@ def test_the_closed_loop_stops_at_its_target_and_checks_its_arguments():
         refine(plan, target=0.9, **kwargs)
     with pytest.raises(ConfigError, match="rounds"):
         refine(plan, rounds=-1, **kwargs)
+
+
+def test_boundary_moves_balance_by_timing_two_stages_at_a_time():
+    """A device on which later nodes cost up to 2.5x what the profile says: moving boundaries,
+    judged by the two stages each move changes, comes near the best split of the true costs."""
+    traced = trace(timm_vit(depth=8), (torch.randn(4, 3, 32, 32),))
+    measured, *_ = _synthetic(traced)
+    order = [n.name for n in traced.gm.graph.nodes if n.op != "output"]
+    base = measured.node_seconds
+    weight = {n: 1.0 + 1.5 * k / len(order) for k, n in enumerate(order)}
+
+    def true(stage):
+        return sum(base.get(n, 0.0) * weight[n] for n in stage.nodes)
+
+    plan = plan_stages(traced, 4, device="h100", measured=measured)
+    for stage in plan.stages:
+        stage.measured_time = true(stage)
+    before = plan.measured_imbalance
+    timed = []
+
+    def measure(p, stages):
+        timed.append(list(stages))
+        return [true(p.stages[i]) for i in stages]
+
+    allowed = cut_candidates(traced)
+    out = move_boundaries(plan, order=order, allowed=allowed, seconds=[base.get(n, 0.0) for n in order],
+                          measure=measure, target=1.0, moves=16,
+                          cut_at=lambda starts: partition_at(traced, starts, device="h100", measured=measured))
+    floor = least_imbalance([base.get(n, 0.0) * weight[n] for n in order], 4, allowed_cuts=allowed)
+    assert before > 1.3
+    assert out.measured_imbalance <= floor + 0.04
+    assert all(s.measured_time == pytest.approx(true(s)) for s in out.stages)  # every stage's time is its own
+    assert timed and all(len(t) == 2 and t[1] == t[0] + 1 for t in timed)  # two neighbours at a time
+    moves = [r for r in out.refinement if "move" in r]
+    assert len(moves) == len(timed) <= 16
+    slowest = max(s.measured_time for s in plan.stages)
+    for r in moves:  # a kept move never makes the slowest stage slower
+        if r["kept"]:
+            assert max(r["measured"]) < slowest + 1e-12
+    # At the target already: nothing is timed.
+    again = move_boundaries(out, order=order, allowed=allowed, seconds=[0.0] * len(order), measure=measure,
+                            cut_at=None, target=10.0)
+    assert again is out and len(timed) == len(moves)
+
+
+def test_measure_options_check_the_moves():
+    traced = _vit_traced()
+    with pytest.raises(ConfigError, match="boundary moves"):
+        autopipe.measure.measured_plan(traced, CPU, dict(pp=2), options=MeasureOptions(moves=-1),
+                                       measured=profile_graph(traced, CPU, segments=2))
 
 
 # ------------------------------------------------------------------------------ calibration

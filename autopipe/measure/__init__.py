@@ -12,44 +12,50 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from autopipe.errors import ProfileError
+from autopipe.errors import ConfigError, ProfileError
+from autopipe.partition.cuts import cut_candidates
 from autopipe.partition.measured import MeasuredCosts
+from autopipe.partition.partitioner import partition_at
 from autopipe.partition.plan import PartitionPlan
 from autopipe.stages import mlp_pieces, plan_stages
 from autopipe.tracer import TracedModel
 
 from .cache import ProfileCache, default_cache_dir
-from .closed_loop import refine
+from .closed_loop import move_boundaries, refine
 from .profile import DEFAULT_SEGMENTS, _rank_world, _share, on_rank0, profile_graph, profile_key, segment_starts
 from .timer import RunSetup, StageTiming, device_name, time_stages
 
 __all__ = ["MeasureOptions", "measured_plan", "profile_graph", "time_stages", "time_plan", "RunSetup",
-           "StageTiming", "ProfileCache", "refine", "segment_starts", "profile_key", "device_name",
+           "StageTiming", "ProfileCache", "refine", "move_boundaries", "segment_starts", "profile_key", "device_name",
            "default_cache_dir", "DEFAULT_SEGMENTS"]
 
 
 @dataclass(frozen=True)
 class MeasureOptions:
     """How to measure: segments of the profile (None: DEFAULT_SEGMENTS for the mode), repetitions
-    per timing, the closed loop's max/mean target and re-cuts, and the cache directory (None:
-    ``default_cache_dir()``; ``cache=False`` times again every time)."""
+    per timing, the closed loop's max/mean target, re-cuts and boundary moves (each times two
+    stages; see [Note: boundary moves]), and the cache directory (None: ``default_cache_dir()``;
+    ``cache=False`` times again every time)."""
 
     segments: int | None = None
     reps: int = 10
     warmup: int = 2
     target: float = 1.05
     rounds: int = 3
+    moves: int = 16
     cache: bool = True
     cache_dir: str | None = None
 
 
-def time_plan(traced: TracedModel, plan: PartitionPlan, setup: RunSetup, group: Any = None) -> list[float]:
-    """Every stage's measured forward+backward seconds, ranks sharing the work (collective when
-    torch.distributed is initialised)."""
+def time_plan(traced: TracedModel, plan: PartitionPlan, setup: RunSetup, group: Any = None,
+              stages: list[int] | None = None) -> list[float]:
+    """The measured forward+backward seconds of ``stages`` (default: every stage), ranks sharing
+    the work (collective when torch.distributed is initialised)."""
     rank, world = _rank_world(group)
-    mine = [i for i in range(plan.num_stages) if i % world == rank]
+    wanted = list(range(plan.num_stages)) if stages is None else list(stages)
+    mine = [i for k, i in enumerate(wanted) if k % world == rank]
     timings = _share(lambda: time_stages(traced, plan, setup, mine), group, world)
-    return [timings[i].seconds for i in range(plan.num_stages)]
+    return [timings[i].seconds for i in wanted]
 
 
 def measured_plan(traced: TracedModel, setup: RunSetup, partition_args: dict[str, Any], *,
@@ -82,9 +88,21 @@ def measured_plan(traced: TracedModel, setup: RunSetup, partition_args: dict[str
         seconds = {n: s * factors[group_of[n]] for n, s in measured.node_seconds.items()}
         return plan_stages(traced, measured=dataclasses.replace(measured, node_seconds=seconds), **partition_args)
 
-    return refine(plan, groups=len(measured.segments), target=options.target, rounds=options.rounds,
+    if not isinstance(options.moves, int) or isinstance(options.moves, bool) or options.moves < 0:
+        raise ConfigError(f"closed-loop boundary moves must be a non-negative integer, got {options.moves!r}")
+    plan = refine(plan, groups=len(measured.segments), target=options.target, rounds=options.rounds,
                   planned=lambda p: _planned(traced, p, measured.node_seconds, group_of),
                   measure=lambda p: time_plan(traced, p, timing, group), replan=replan)
+    if options.moves == 0 or plan.mlp_pieces or partition_args.get("balance", "cost") != "cost" \
+            or partition_args.get("mem_cap") is not None:
+        return plan  # boundaries the user placed, or a memory cap the moves would not check, stay
+    order = [n.name for n in traced.gm.graph.nodes if n.op != "output"]
+    at_args = {k: v for k, v in partition_args.items() if k not in ("split_mlps", "measured", "node_seconds")}
+    return move_boundaries(plan, order=order, allowed=cut_candidates(traced),
+                           seconds=[measured.node_seconds.get(n, 0.0) for n in order],
+                           measure=lambda p, stages: time_plan(traced, p, timing, group, stages),
+                           cut_at=lambda starts: partition_at(traced, starts, measured=measured, **at_args),
+                           target=options.target, moves=options.moves)
 
 
 def _groups(traced: TracedModel, measured: MeasuredCosts) -> dict[str, int]:
