@@ -111,10 +111,10 @@ def move_boundaries(plan: PartitionPlan, *, order: Sequence[str], allowed: Seque
     while left > 0 and max(times) / (sum(times) / len(times)) > target:
         slowest = int(np.argmax(times))
         # The slowest stage's boundaries first, then the others by the gap across them.
-        order_of = sorted((i for i in range(len(times) - 1) if i not in stuck),
+        boundaries = sorted((i for i in range(len(times) - 1) if i not in stuck),
                           key=lambda i: (slowest not in (i, i + 1), -abs(times[i] - times[i + 1])))
         moved = False
-        for i in order_of:
+        for i in boundaries:
             slow, near = (i, i + 1) if times[i] >= times[i + 1] else (i + 1, i)
             options = [new for new in _moves(starts, slow, near, times[slow] - times[near], times[slow],
                                              prefix, allowed) if tuple(new) not in tried][:TRIES]
