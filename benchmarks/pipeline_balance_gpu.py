@@ -69,6 +69,15 @@ def build(name: str, smoke: bool) -> nn.Module:
     return timm.create_model(name)
 
 
+def layout(args: argparse.Namespace) -> torch.memory_format:
+    return torch.channels_last if args.channels_last else torch.contiguous_format
+
+
+def images(n: int, img: int, args: argparse.Namespace, g: torch.Generator | None = None) -> torch.Tensor:
+    """``n`` random images, in the layout the models run in (``--channels-last``)."""
+    return torch.randn(n, 3, img, img, generator=g).contiguous(memory_format=layout(args))
+
+
 def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.float(), y)
 
@@ -90,17 +99,18 @@ def check_equivalence(name: str, args: argparse.Namespace, device: torch.device)
 
     torch.manual_seed(0)
     ref = (build(name, True) if args.smoke else timm.create_model(name, num_classes=10, **kw)).eval()
+    ref = ref.to(memory_format=layout(args))
     model = copy.deepcopy(ref)
     ref = ref.to(device)
     m, n, pp = 4, 8, dist.get_world_size()
-    pm = autopipe.parallelize(model, (torch.randn(n // m, 3, img, img),), pp=pp, microbatches=m, loss_fn=loss_fn,
+    pm = autopipe.parallelize(model, (images(n // m, img, args),), pp=pp, microbatches=m, loss_fn=loss_fn,
                               device=device, costs="measured" if device.type == "cuda" else "analytic")
     pm.eval()  # norms on running statistics: the reference's micro-batches see the same
     opt = torch.optim.SGD(pm.parameters(), lr=0.01, momentum=0.9)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9)
     for step in range(3):
         g = torch.Generator().manual_seed(step)
-        x, y = torch.randn(n, 3, img, img, generator=g).to(device), torch.randint(0, 10, (n,), generator=g).to(device)
+        x, y = images(n, img, args, g).to(device), torch.randint(0, 10, (n,), generator=g).to(device)
         pm.train_step(x, y)
         opt.step()
         opt.zero_grad()
@@ -131,7 +141,8 @@ def train_autopipe(model: nn.Module, how: str, args: argparse.Namespace, device:
         kw["balance"] = "uniform"
     graphs = args.mode == "graphs" and device.type == "cuda"
     begin = time.perf_counter()
-    pm = autopipe.parallelize(model, (torch.randn(args.batch // args.microbatches, 3, img, img),), pp=pp,
+    model = model.to(memory_format=layout(args))
+    pm = autopipe.parallelize(model, (images(args.batch // args.microbatches, img, args),), pp=pp,
                               microbatches=args.microbatches, loss_fn=loss_fn, device=device,
                               mixed_precision=None if args.smoke else "bf16", cuda_graphs=graphs,
                               record_timeline=True, **kw)
@@ -139,7 +150,7 @@ def train_autopipe(model: nn.Module, how: str, args: argparse.Namespace, device:
     pm.train()
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(args.batch, 3, img, img, generator=g).to(device)
+    x = images(args.batch, img, args, g).to(device)
     y = torch.randint(0, classes, (args.batch,), generator=g).to(device)
 
     def step() -> None:
@@ -283,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--diagnose", action="store_true", help="profile one step of each measured cut (kernels)")
     parser.add_argument("--no-check", action="store_true", help="skip the fp32 equivalence checks")
+    parser.add_argument("--channels-last", action="store_true",
+                        help="autopipe's models and images in channels-last layout (torch pipelining's stay NCHW)")
     parser.add_argument("--out", default="")
     parser.add_argument("--smoke", action="store_true", help="tiny models on CPU over gloo (a check of the script)")
     args = parser.parse_args(argv)
@@ -291,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "world": dist.get_world_size(),
             "device": torch.cuda.get_device_name() if cuda else "cpu", "command": " ".join(sys.argv),
-            "batch": args.batch, "microbatches": args.microbatches, "mode": args.mode}
+            "batch": args.batch, "microbatches": args.microbatches, "mode": args.mode,
+            "channels_last": args.channels_last}
 
     def save() -> None:
         if dist.get_rank() == 0 and args.out:

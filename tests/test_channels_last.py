@@ -1,6 +1,7 @@
 """A model in channels-last layout keeps it across stage boundaries ([Note: boundary layout] in
-autopipe/memory_format.py): 4-D activations and their gradients are sent, received and timed in
-channels-last, and the pipeline trains exactly as one process does."""
+autopipe/memory_format.py): 4-D activations made channels-last, and their gradients, are sent,
+received and timed in channels-last; other 4-D tensors (a block's NHWC maps) plain contiguous;
+and the pipeline trains exactly as one process does."""
 from __future__ import annotations
 
 from typing import Any
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 
 import autopipe
 from autopipe.measure import time_plan, timer
-from autopipe.memory_format import channels_last_model
+from autopipe.memory_format import boundary_layout, channels_last_model
 from autopipe.partition.partitioner import partition
 from autopipe.runtime.p2p import TensorSpec
 from autopipe.tracer import trace
@@ -26,6 +27,24 @@ def convnet() -> nn.Module:
     block = lambda i, o: nn.Sequential(nn.Conv2d(i, o, 3, padding=1), nn.BatchNorm2d(o), nn.ReLU())  # noqa: E731
     return nn.Sequential(block(3, 16), block(16, 16), block(16, 32), block(32, 32),
                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
+
+
+class Permute(nn.Module):
+    def __init__(self, *dims: int) -> None:
+        super().__init__()
+        self.dims = dims
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.permute(*self.dims)
+
+
+def nhwc_net() -> nn.Module:
+    """A conv stem, then a block on NHWC maps (as Swin's and ConvNeXt's are): split at "5", the
+    boundary is a (B, H, W, C) map that is plain contiguous, not channels-last."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), Permute(0, 2, 3, 1), nn.LayerNorm(16),
+                         nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16), Permute(0, 3, 1, 2),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
 
 
 def data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,17 +88,47 @@ def test_the_timer_hands_stages_channels_last_inputs():
     assert seen == [[True], [True]]
 
 
-def _train(rank: int, world: int, layout: Any) -> Any:
-    model = convnet()
+def test_a_boundary_travels_in_the_layout_it_was_traced_in():
+    model = nhwc_net().to(memory_format=CL)
+    traced = trace(model, (data()[0][:2],))
+    layouts = {n.name: boundary_layout(n.meta.get("val")) for n in traced.gm.graph.nodes}
+    assert layouts["input_1"] == layouts["_1"] == CL  # the input and the batch norm's maps
+    assert layouts["_4"] == layouts["_5"] == torch.contiguous_format  # NHWC maps, 4-D but not channels-last
+    assert layouts["permute_1"] == CL  # permuted back: channels-last strides
+    assert boundary_layout(torch.randn(2, 3)) == boundary_layout(None) == torch.contiguous_format
+
+
+def test_the_timer_hands_an_nhwc_boundary_over_contiguous():
+    model = nhwc_net().to(memory_format=CL)
+    traced = trace(model, (data()[0][:2],))
+    plan = partition(traced, 2, device="cpu", balance=["5"])
+    seen = []
+    original = timer._time
+
+    def spy(stage, inputs, grads, setup):
+        seen.append([(x.is_contiguous(), x.is_contiguous(memory_format=CL)) for x in inputs if x.dim() == 4])
+        return original(stage, inputs, grads, setup)
+
+    timer._time = spy
+    try:
+        time_plan(traced, plan, timer.RunSetup("cpu", reps=1, warmup=1))
+    finally:
+        timer._time = original
+    assert seen == [[(False, True)], [(True, False)]]
+
+
+def _train(rank: int, world: int, layout: Any, make: Any = None, split: Any = None) -> Any:
+    model = (make or convnet)()
     if layout is not None:
         model = model.to(memory_format=layout)
     x, y = data()
     pm = autopipe.parallelize(model, (x[:2],), pp=2, microbatches=4, loss_fn=F.cross_entropy, device="cpu",
-                              batchnorm="microbatch")
+                              batchnorm="microbatch", **({} if split is None else {"balance": split}))
     received = []
     for stage in pm._runtime.stages.values():
         stage.register_forward_pre_hook(lambda m, args: received.append(
-            [a.is_contiguous(memory_format=CL) for a in args if isinstance(a, torch.Tensor) and a.dim() == 4]))
+            [(a.is_contiguous(), a.is_contiguous(memory_format=CL)) if make else a.is_contiguous(memory_format=CL)
+             for a in args if isinstance(a, torch.Tensor) and a.dim() == 4]))
     opt = torch.optim.SGD(pm.parameters(), lr=0.1)
     losses = []
     for _ in range(2):
@@ -104,5 +153,22 @@ def test_a_channels_last_pipeline_keeps_the_layout_and_trains_as_one_process():
     for rank, losses, received, state in results:
         if rank == 1:  # stage 1's inputs arrived over gloo, in channels-last
             assert received and all(r == [True] for r in received)
+        for name, value in reference.state_dict().items():
+            torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_an_nhwc_boundary_of_a_channels_last_model_arrives_contiguous_and_trains_as_one_process():
+    results = run_distributed(_train, 2, CL, nhwc_net, ["5"], timeout=200)
+    reference = nhwc_net().to(memory_format=CL)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x, y = data()
+    for _ in range(2):
+        for xm, ym in zip(x.split(2), y.split(2)):
+            (F.cross_entropy(reference(xm), ym) / 4).backward()
+        opt.step()
+        opt.zero_grad()
+    for rank, losses, received, state in results:
+        if rank == 1:  # stage 1 reads the NHWC map as it was made: plain contiguous
+            assert received and all(r == [(True, False)] for r in received)
         for name, value in reference.state_dict().items():
             torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)

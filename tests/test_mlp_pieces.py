@@ -91,6 +91,17 @@ def test_the_partitioner_cuts_an_mlp_when_that_balances_better():
     assert "MLP cut across stages: blocks." in str(plan)
 
 
+def test_a_plan_with_mlp_pieces_is_timed_stage_by_stage():
+    from autopipe.measure import RunSetup, time_plan
+
+    traced = trace(_model().float(), (_x().float(),))
+    plan = plan_stages(traced, 4, device="cpu")
+    assert plan.mlp_pieces and any(c.name.endswith(tuple(f"_piece{i}" for i in range(8)))
+                                   for s in plan.stages for c in s.outputs)  # a piece's partial sum crosses
+    times = time_plan(traced, plan, RunSetup("cpu", reps=1, warmup=1))
+    assert len(times) == 4 and all(t > 0 for t in times)
+
+
 class _Stacked(torch.nn.Module):
     """Branches of linear stacks: in Linear-GELU-Linear-Linear-GELU-Linear the middle pair
     of linears would also look like an MLP (no ops between them)."""

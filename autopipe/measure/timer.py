@@ -37,7 +37,7 @@ import torch.nn as nn
 
 from autopipe.measure.kernels import NodeTimes, node_times
 from autopipe.errors import ProfileError
-from autopipe.memory_format import channels_last_dense, channels_last_model
+from autopipe.memory_format import boundary_layout, channels_last_dense, channels_last_model
 from autopipe.partition.device import EXECUTION_MODES, _materialise
 from autopipe.partition.plan import PartitionPlan
 from autopipe.runtime.graphs import StageGraphs
@@ -45,6 +45,7 @@ from autopipe.runtime.p2p import TensorSpec
 from autopipe.runtime.preparation import prepare_stage
 from autopipe.runtime.weight_casts import WeightCasts
 from autopipe.stages.emit import emit_stages
+from autopipe.stages.variants import boundary_values
 from autopipe.tracer import TracedModel
 
 __all__ = ["RunSetup", "StageTiming", "time_stages", "device_name", "WARM_SECONDS"]
@@ -128,7 +129,9 @@ def time_stages(traced: TracedModel, plan: PartitionPlan, setup: RunSetup,
                 outputs = stage(*inputs)
         # What the next stage receives: a dense copy in the boundary's layout, as the pipeline's
         # receive buffers are (see [Note: boundary layout]).
-        inputs = tuple(_received(t.detach(), layout) for t in outputs)
+        if i < plan.num_stages - 1:
+            layouts = [boundary_layout(v) for v in boundary_values(traced, plan)[i]]
+            inputs = tuple(_received(t.detach(), f) for t, f in zip(outputs, layouts, strict=True))
         del stage
     return out
 

@@ -208,6 +208,7 @@ def emit_variant(traced: TracedModel, plan: PartitionPlan, stages: dict[int, nn.
 
 
 def boundary_values(traced: TracedModel, plan: PartitionPlan) -> list[list[torch.Tensor]]:
-    """The (meta) values crossing each stage boundary in ``traced``, in the plan's order."""
-    by_name = {n.name: n for n in traced.gm.graph.nodes}
+    """The (meta) values crossing each stage boundary in ``traced`` (cut into the plan's MLP
+    pieces, as the stages are), in the plan's order."""
+    by_name = {n.name: n for n in cut_mlps(traced, plan.mlp_pieces).gm.graph.nodes}
     return [[by_name[c.name].meta["val"] for c in plan.stages[k].outputs] for k in range(plan.num_stages - 1)]

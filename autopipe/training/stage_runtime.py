@@ -14,11 +14,12 @@ from ..failure.monitor import FailureMonitor
 from ..partition.plan import PartitionPlan
 from ..runtime.batchnorm import BatchNormStats
 from ..runtime.driver import PipelineDriver, StageSet
-from ..memory_format import channels_last_model
+from ..memory_format import boundary_layout, channels_last_model
 from ..runtime.p2p import TensorSpec
 from ..runtime.preparation import prepare_stage
 from ..runtime.timeline import Timeline
 from ..runtime.weight_casts import WeightCasts
+from ..stages.mlp_pieces import cut_mlps
 from ..stages.variants import boundary_values, emit_variant, repropagate
 from ..tracer import TracedModel
 from .mesh import Mesh
@@ -72,12 +73,14 @@ class StageRuntime:
     timeline: Timeline | None = field(default=None, init=False)
     driver: PipelineDriver = field(init=False)
     grad_scale: float = field(default=1.0, init=False)  # the current train_step's grad_scale
-    _channels_last: bool = field(default=False, init=False)  # 4-D boundary tensors in channels-last
+    _channels_last: bool = field(default=False, init=False)  # the model's inputs travel in channels-last
 
-    def _spec(self, shape: Any, dtype: torch.dtype) -> TensorSpec:
+    def _spec(self, shape: Any, dtype: torch.dtype, traced: Any = None) -> TensorSpec:
+        """A boundary tensor's spec, in the layout its ``traced`` value was made in
+        ([Note: boundary layout])."""
         if self.compute_dtype is not None and dtype.is_floating_point:
             dtype = self.compute_dtype
-        return TensorSpec(tuple(shape), dtype, self._channels_last)
+        return TensorSpec(tuple(shape), dtype, boundary_layout(traced) == torch.channels_last)
 
     def _wrap(self, i: int, stage: nn.Module) -> None:
         prepare_stage(stage, device_type=self.mesh.device.type, compute_dtype=self.compute_dtype,
@@ -95,7 +98,7 @@ class StageRuntime:
             for i, stage in built.items():
                 if stage is not stages[i]:
                     self._wrap(i, stage)
-            return built, [[self._spec(v.shape, v.dtype) for v in b] for b in boundary_values(sized, sized_plan)]
+            return built, [[self._spec(v.shape, v.dtype, v) for v in b] for b in boundary_values(sized, sized_plan)]
 
         return build
 
@@ -103,8 +106,10 @@ class StageRuntime:
         plan, last = self.plan, self.plan.num_stages - 1
         self._channels_last = channels_last_model(self.traced.gm)  # see [Note: boundary layout]
 
-        def boundary(p: PartitionPlan) -> list[list[TensorSpec]]:
-            return [[self._spec(c.shape, _dtype(c.dtype)) for c in p.stages[k].outputs] for k in range(last)]
+        def boundary(traced: TracedModel, p: PartitionPlan) -> list[list[TensorSpec]]:
+            values = {n.name: n.meta.get("val") for n in cut_mlps(traced, p.mlp_pieces).gm.graph.nodes}
+            return [[self._spec(c.shape, _dtype(c.dtype), values.get(c.name)) for c in p.stages[k].outputs]
+                    for k in range(last)]
 
         modes = [self.stages] + ([self.eval_stages.stages] if self.eval_stages is not None else [])
         # Linear layers read copies cast once per step; see [Note: weight casts].
@@ -118,10 +123,10 @@ class StageRuntime:
                        for s, d in zip(self.traced.input_shapes, self.traced.input_dtypes)]
         mode = self.eval_stages
         eval_set = None if mode is None else StageSet(
-            mode.stages, boundary(mode.plan), mode.traced.unflatten_output,
+            mode.stages, boundary(mode.traced, mode.plan), mode.traced.unflatten_output,
             self._variants(mode.traced, mode.plan, mode.stages, None))
         self.driver = PipelineDriver(
-            self.stages, boundary(plan), pp=plan.pp, chunks=plan.chunks, pp_rank=self.mesh.pp_rank,
+            self.stages, boundary(self.traced, plan), pp=plan.pp, chunks=plan.chunks, pp_rank=self.mesh.pp_rank,
             pp_group=self.mesh.pp_group, schedule=self.schedule, microbatches=plan.microbatches,
             loss_fn=self._scaled_loss, postprocess=self.traced.unflatten_output, device=self.mesh.device,
             timeline=self.timeline, input_specs=input_specs, deadline=self.deadline, cuda_graphs=self.cuda_graphs,
