@@ -170,7 +170,7 @@ def parallelize(
         mixed_precision=mixed_precision, activation_checkpointing=activation_checkpointing,
         device=None if device is None else torch.device(device).type, profile=profile, cuda_graphs=cuda_graphs,
         split_mlps=split_mlps, compile_stages=compile_stages, batchnorm=batchnorm, batch_split=batch_split,
-        costs=costs_label(costs),
+        costs=costs_label(costs), stage_scale=getattr(measure, "stage_scale", None),
     ), deadline=deadline)
     dims, device, rank = check_on_this_rank(
         loss_fn, schedule, pp=pp, tp=tp, chunks=chunks, microbatches=microbatches, mixed_precision=mixed_precision,

@@ -46,6 +46,9 @@ def _check_costs(costs: Any, measure: Any) -> None:
         raise ConfigError(f"costs={costs!r}; use 'analytic', 'measured', a profile file's path or a MeasuredCosts")
     if measure is not None and not isinstance(measure, MeasureOptions):
         raise ConfigError(f"measure={measure!r}; pass autopipe.measure.MeasureOptions(...) or None")
+    if measure is not None and measure.stage_scale is not None and isinstance(costs, str) and costs == "analytic":
+        raise ConfigError("measure=MeasureOptions(stage_scale=...) scales the measured stage times; pass "
+                          "costs='measured' (or a profile) with it")
 
 
 def check_deadline(deadline: Any) -> None:

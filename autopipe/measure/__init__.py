@@ -22,10 +22,12 @@ from autopipe.tracer import TracedModel
 
 from .cache import ProfileCache, default_cache_dir
 from .closed_loop import move_boundaries, refine
+from .pipeline_scale import stage_scale, stage_seconds
 from .profile import DEFAULT_SEGMENTS, _rank_world, _share, on_rank0, profile_graph, profile_key, segment_starts
 from .timer import RunSetup, StageTiming, device_name, time_stages
 
-__all__ = ["MeasureOptions", "measured_plan", "profile_graph", "time_stages", "time_plan", "RunSetup",
+__all__ = ["MeasureOptions", "measured_plan", "profile_graph", "time_stages", "time_plan", "RunSetup", "stage_scale",
+           "stage_seconds",
            "StageTiming", "ProfileCache", "refine", "move_boundaries", "segment_starts", "profile_key", "device_name",
            "default_cache_dir", "DEFAULT_SEGMENTS"]
 
@@ -34,8 +36,10 @@ __all__ = ["MeasureOptions", "measured_plan", "profile_graph", "time_stages", "t
 class MeasureOptions:
     """How to measure: segments of the profile (None: DEFAULT_SEGMENTS for the mode), repetitions
     per timing, the closed loop's max/mean target, re-cuts and boundary moves (each times two
-    stages; see [Note: boundary moves]), and the cache directory (None: ``default_cache_dir()``;
-    ``cache=False`` times again every time)."""
+    stages; see [Note: boundary moves]), the cache directory (None: ``default_cache_dir()``;
+    ``cache=False`` times again every time), and ``stage_scale``: how much slower each stage ran
+    inside a pipeline than alone, from :func:`stage_scale` of an earlier run (one factor per
+    stage; the cut and the closed loop balance the scaled times, see [Note: stage scale])."""
 
     segments: int | None = None
     reps: int = 10
@@ -45,6 +49,7 @@ class MeasureOptions:
     moves: int = 16
     cache: bool = True
     cache_dir: str | None = None
+    stage_scale: tuple[float, ...] | None = None
 
 
 def time_plan(traced: TracedModel, plan: PartitionPlan, setup: RunSetup, group: Any = None,
@@ -78,11 +83,21 @@ def measured_plan(traced: TracedModel, setup: RunSetup, partition_args: dict[str
         key = profile_key(traced, setup)
         key.pop("torch_version")  # a profile given by hand may come from another torch
         measured.check(key, source="the given profile")
+    scale = options.stage_scale
+    if scale is not None:  # see [Note: stage scale]
+        partition_args = dict(partition_args, stage_scale=scale)
     plan = plan_stages(traced, measured=measured, **partition_args)
     if not closed_loop:
         return plan
     timing = dataclasses.replace(setup, reps=options.reps, warmup=options.warmup)
     group_of = _groups(traced, measured)
+
+    def timed(p: PartitionPlan, stages: list[int] | None = None) -> list[float]:
+        """The stages' times alone, scaled as they run in the pipeline where a scale is given."""
+        times = time_plan(traced, p, timing, group, stages)
+        if scale is None:
+            return times
+        return [t * float(scale[i]) for t, i in zip(times, range(p.num_stages) if stages is None else stages)]
 
     def replan(factors: list[float]) -> PartitionPlan:
         seconds = {n: s * factors[group_of[n]] for n, s in measured.node_seconds.items()}
@@ -92,7 +107,7 @@ def measured_plan(traced: TracedModel, setup: RunSetup, partition_args: dict[str
         raise ConfigError(f"closed-loop boundary moves must be a non-negative integer, got {options.moves!r}")
     plan = refine(plan, groups=len(measured.segments), target=options.target, rounds=options.rounds,
                   planned=lambda p: _planned(traced, p, measured.node_seconds, group_of),
-                  measure=lambda p: time_plan(traced, p, timing, group), replan=replan)
+                  measure=timed, replan=replan)
     if options.moves == 0 or plan.mlp_pieces or partition_args.get("balance", "cost") != "cost" \
             or partition_args.get("mem_cap") is not None:
         return plan  # boundaries the user placed, or a memory cap the moves would not check, stay
@@ -100,7 +115,7 @@ def measured_plan(traced: TracedModel, setup: RunSetup, partition_args: dict[str
     at_args = {k: v for k, v in partition_args.items() if k not in ("split_mlps", "measured", "node_seconds")}
     return move_boundaries(plan, order=order, allowed=cut_candidates(traced),
                            seconds=[measured.node_seconds.get(n, 0.0) for n in order],
-                           measure=lambda p, stages: time_plan(traced, p, timing, group, stages),
+                           measure=timed,
                            cut_at=lambda starts: partition_at(traced, starts, measured=measured, **at_args),
                            target=options.target, moves=options.moves)
 

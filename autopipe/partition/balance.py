@@ -19,6 +19,7 @@ from .balance_problem import (Band, Problem, boundary_vector, bullets, check_sta
 __all__ = [
     "solve",
     "solve_overlapped",
+    "solve_scaled",
     "overlapped_stage_times",
     "StageTime",
     "solve_uniform",
@@ -103,6 +104,80 @@ def solve_overlapped(
     upper = float(stage_time(problem.prefix, cut_t, cut_l, fences[:-1], fences[1:], stage_overhead)[3].max())
     band = Band.build(problem, cut_t, cut_l, upper, stage_overhead)
     return band.pick(n_stages, band.least_max(n_stages))
+
+
+def solve_scaled(
+    compute: Sequence[float],
+    scale: Sequence[float],
+    *,
+    allowed_cuts: Sequence[bool] | None = None,
+    stage_overhead: float = 0.0,
+) -> list[int]:
+    """Start positions of ``len(scale)`` stages whose largest ``scale[i] x (sum(compute) +
+    stage_overhead)`` is least: stage i runs ``scale[i]`` times slower than its parts, whatever
+    it holds (see [Note: stage scale] in autopipe/measure/pipeline_scale.py). Transfers are not
+    priced.
+
+    Exact up to float rounding: bisection over the largest time, each test a reachability
+    sweep of O(S n) over the boundaries where each stage may start (a stage i starting at a
+    reaches every allowed boundary b > a whose nodes fit: one range of b per a).
+    """
+    values = vector("compute", compute)
+    n, n_stages = len(values), len(scale)
+    check_stage_count(n_stages)
+    factors = np.asarray([float(f) for f in scale])
+    if not (np.all(np.isfinite(factors)) and np.all(factors > 0)):
+        raise PartitionError(f"stage scale {list(scale)} must be positive finite numbers, one per stage")
+    allowed = np.ones(max(n - 1, 0), dtype=bool) if allowed_cuts is None else np.asarray(allowed_cuts, dtype=bool)
+    if len(allowed) != max(n - 1, 0):
+        raise PartitionError(length_message("allowed_cuts", len(allowed), n))
+    if int(allowed.sum()) + 1 < n_stages:
+        raise PartitionError(f"cannot cut {n} nodes into {n_stages} stages: {int(allowed.sum())} cuts are allowed")
+    prefix = np.concatenate(([0.0], np.cumsum(values)))
+    may_start = np.concatenate(([False], allowed, [False]))  # boundary b in 0..n; stage 0 starts at 0
+    index = np.arange(n + 1)
+
+    def reach(limit: float) -> list[np.ndarray] | None:
+        """Per stage, the boundaries it can start at with every stage before it within ``limit``."""
+        sets = [index == 0]
+        for i in range(n_stages - 1):
+            starts = np.flatnonzero(sets[-1])
+            room = limit / factors[i] - stage_overhead
+            last = np.searchsorted(prefix, prefix[starts] + room * (1 + 1e-12), side="right") - 1
+            diff = np.zeros(n + 2, dtype=np.int64)
+            keep = last > starts
+            np.add.at(diff, starts[keep] + 1, 1)
+            np.add.at(diff, np.minimum(last[keep], n) + 1, -1)
+            nxt = (np.cumsum(diff)[: n + 1] > 0) & may_start
+            if not nxt.any():
+                return None
+            sets.append(nxt)
+        ends_ok = factors[-1] * (prefix[n] - prefix + stage_overhead) <= limit * (1 + 1e-12)
+        if not (sets[-1] & ends_ok).any():
+            return None
+        return sets
+
+    def pick(sets: list[np.ndarray], limit: float) -> list[int]:
+        starts, end = [], n
+        for i in range(n_stages - 1, -1, -1):
+            fits = sets[i] & (index < end) & (factors[i] * (prefix[end] - prefix + stage_overhead) <= limit * (1 + 1e-12))
+            end = int(np.flatnonzero(fits)[-1])
+            starts.append(end)
+        return starts[::-1]
+
+    high = float(factors.max() * (prefix[n] + stage_overhead))
+    if reach(high) is None:
+        raise PartitionError(f"cannot cut {n} nodes into {n_stages} non-empty stages at the allowed cuts")
+    low = 0.0
+    for _ in range(200):
+        if high - low <= 1e-12 * high:
+            break
+        middle = (low + high) / 2
+        if reach(middle) is None:
+            low = middle
+        else:
+            high = middle
+    return pick(reach(high), high)
 
 
 class StageTime(NamedTuple):

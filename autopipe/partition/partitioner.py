@@ -7,7 +7,8 @@ stage's time is [Note: communication in the stage cost].
 """
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+import math
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -69,6 +70,7 @@ def partition(
     activation_dtype: torch.dtype | None = None,
     measured: MeasuredCosts | None = None,
     node_seconds: Mapping[str, float] | None = None,
+    stage_scale: Sequence[float] | None = None,
 ) -> PartitionPlan:
     """Cut ``traced`` into ``pp * chunks`` stages at node granularity; ``balance`` is a mode or
     split-point modules. (:func:`autopipe.stages.plan_stages` may also cut inside MLPs.)
@@ -83,6 +85,10 @@ def partition(
     ``activation_dtype`` is the dtype floating tensors cross stage boundaries in, when it is
     not the traced one: ``torch.bfloat16`` under bf16 autocast, where activations travel in
     bf16 while the model was traced in fp32. It prices the cuts and names the plan's tensors.
+
+    ``stage_scale`` (one factor per stage, balance="cost") says how much slower each stage runs
+    in the pipeline than its parts sum to ([Note: stage scale] in autopipe/measure/pipeline_scale.py):
+    the cut balances the scaled times, and the plan's stage times are the scaled ones.
     """
     pp, chunks, tp = (positive_int(n, v) for n, v in (("pp", pp), ("chunks", chunks), ("tp", tp)))
     microbatches = positive_int("microbatches", microbatches)
@@ -91,7 +97,27 @@ def partition(
         node_seconds = _measured_seconds(traced, measured)
     return _partition(traced, pp=pp, chunks=chunks, tp=tp, microbatches=microbatches, balance=balance,
                       device=device, schedule=schedule, mem_cap=mem_cap, model_name=model_name,
-                      activation_dtype=activation_dtype, node_seconds=node_seconds, measured=measured)
+                      activation_dtype=activation_dtype, node_seconds=node_seconds, measured=measured,
+                      stage_scale=_check_stage_scale(stage_scale, pp * chunks, balance, mem_cap))
+
+
+def _check_stage_scale(scale: Sequence[float] | None, n_stages: int, balance: Any,
+                       mem_cap: float | None) -> tuple[float, ...] | None:
+    if scale is None:
+        return None
+    try:
+        factors = tuple(float(f) for f in scale)
+    except (TypeError, ValueError):
+        raise ConfigError(f"stage_scale {scale!r} must be a sequence of numbers, one per stage") from None
+    if len(factors) != n_stages:
+        raise ConfigError(f"stage_scale has {len(factors)} factors for {n_stages} stages; give one per stage "
+                          "(pp x chunks, in stage order)")
+    if not all(math.isfinite(f) and f > 0 for f in factors):
+        raise ConfigError(f"stage_scale {list(factors)} must hold positive finite factors")
+    if balance != "cost" or mem_cap is not None:
+        raise ConfigError(f"stage_scale balances costs (balance='cost', no mem_cap); got balance={balance!r}, "
+                          f"mem_cap={mem_cap!r}")
+    return factors
 
 
 def _measured_seconds(traced: TracedModel, measured: MeasuredCosts) -> dict[str, float]:
@@ -109,6 +135,8 @@ def partition_at(traced: TracedModel, starts: Sequence[int], *, device: str | De
     args = dict(pp=len(starts), chunks=1, tp=1, microbatches=1, balance="cost", schedule="1f1b",
                 mem_cap=None, model_name="", activation_dtype=None)
     args.update(kwargs)
+    args["stage_scale"] = _check_stage_scale(args.pop("stage_scale", None), len(starts), args["balance"],
+                                             args["mem_cap"])
     if measured is not None:
         node_seconds = _measured_seconds(traced, measured)
     return _partition(traced, device=device, node_seconds=node_seconds, measured=measured,
@@ -138,6 +166,7 @@ def _partition(
     node_seconds: Mapping[str, float] | None = None,
     measured: MeasuredCosts | None = None,
     starts: list[int] | None = None,
+    stage_scale: tuple[float, ...] | None = None,
 ) -> PartitionPlan:
     n_stages = pp * chunks
     profile = get_profile(device)
@@ -174,11 +203,18 @@ def _partition(
     if starts is not None:
         balancer.check_starts(starts, len(order))
         mode = balance if isinstance(balance, str) else "split_points:" + ",".join(balance)
+    elif stage_scale is not None:
+        starts, mode = balancer.solve_scaled(compute, stage_scale, allowed_cuts=allowed,
+                                             stage_overhead=overhead), \
+            "cost:stage_scale=" + ",".join(f"{f:.3g}" for f in stage_scale)
     else:
         starts, mode = _solve(balance, n_stages, nodes, traced, compute, cut_time, cut_latency, mem, mem_cap,
                               allowed, overhead, [costs[n].param_count for n in order])
 
     times = balancer.overlapped_stage_times(compute, starts, cut_time, cut_latency, overhead)
+    if stage_scale is not None:  # as the stages run in the pipeline: see [Note: stage scale]
+        times = [balancer.StageTime(t.compute * f, t.comm, t.latency, max(t.compute * f, t.comm) + t.latency)
+                 for t, f in zip(times, stage_scale)]
     plan = _build_plan(traced, nodes, costs, times, dag, starts, state, profile, activation_dtype,
                        pp=pp, chunks=chunks, tp=tp, microbatches=microbatches, mode=mode,
                        schedule=schedule, in_flight=in_flight, model_name=model_name)
