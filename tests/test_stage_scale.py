@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import autopipe
 from autopipe.errors import ConfigError, PartitionError
 from autopipe.measure import MeasureOptions, RunSetup, measured_plan, profile_graph, stage_scale, stage_seconds
-from autopipe.partition.balance import solve_scaled
+from autopipe.partition.balance import solve, solve_scaled
 from autopipe.partition.partitioner import partition, partition_at
 from autopipe.runtime.timeline import Event, gather
 from autopipe.tracer import trace
@@ -24,29 +24,45 @@ from tests.models import timm_vit
 CPU = RunSetup("cpu", reps=2, warmup=1)
 
 
-def _largest(compute, scale, starts):
-    ends = [*starts[1:], len(compute)]
-    return max(f * sum(compute[i:j]) for f, i, j in zip(scale, starts, ends))
+def _largest(compute, scale, starts, cut_cost=None, overhead=0.0):
+    n = len(compute)
+    cut = cut_cost or [0.0] * (n - 1)
+    ends = [*starts[1:], n]
+    return max(f * (sum(compute[i:j]) + overhead) + (cut[i - 1] if i else 0.0) + (cut[j - 1] if j < n else 0.0)
+               for f, i, j in zip(scale, starts, ends))
 
 
 def test_the_scaled_cut_is_the_least_largest_scaled_stage():
     rng = random.Random(0)
-    for _ in range(300):
+    for _ in range(400):
         n, k = rng.randint(1, 11), rng.randint(1, 4)
         if k > n:
             continue
         compute = [rng.random() for _ in range(n)]
         scale = [rng.uniform(0.8, 1.5) for _ in range(k)]
+        cut_cost = [rng.random() * 0.5 for _ in range(n - 1)] if rng.random() < 0.5 else None
+        overhead = rng.choice([0.0, 0.3])
         allowed = [rng.random() < 0.8 for _ in range(n - 1)]
         cuts = [c + 1 for c in range(n - 1) if allowed[c]]
         if len(cuts) + 1 < k:
             with pytest.raises(PartitionError):
                 solve_scaled(compute, scale, allowed_cuts=allowed)
             continue
-        best = min(_largest(compute, scale, [0, *c]) for c in itertools.combinations(cuts, k - 1))
-        starts = solve_scaled(compute, scale, allowed_cuts=allowed)
+        best = min(_largest(compute, scale, [0, *c], cut_cost, overhead) for c in itertools.combinations(cuts, k - 1))
+        starts = solve_scaled(compute, scale, allowed_cuts=allowed, cut_cost=cut_cost, stage_overhead=overhead)
         assert starts[0] == 0 and all(allowed[s - 1] for s in starts[1:]) and starts == sorted(set(starts))
-        assert _largest(compute, scale, starts) == pytest.approx(best, rel=1e-9)
+        assert _largest(compute, scale, starts, cut_cost, overhead) == pytest.approx(best, rel=1e-9)
+
+
+def test_equal_factors_cut_as_the_additive_solver_does():
+    rng = random.Random(1)
+    for _ in range(100):
+        n = rng.randint(2, 30)
+        k = rng.randint(1, min(5, n))
+        compute, cut_cost = [rng.random() for _ in range(n)], [rng.random() * 0.3 for _ in range(n - 1)]
+        ours = solve_scaled(compute, [1.0] * k, cut_cost=cut_cost)
+        assert _largest(compute, [1.0] * k, ours, cut_cost) == pytest.approx(
+            _largest(compute, [1.0] * k, solve(compute, k, cut_cost=cut_cost), cut_cost), rel=1e-9)
 
 
 def test_a_slower_place_gets_less_work():

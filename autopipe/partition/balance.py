@@ -110,17 +110,20 @@ def solve_scaled(
     compute: Sequence[float],
     scale: Sequence[float],
     *,
+    cut_cost: Sequence[float] | None = None,
     allowed_cuts: Sequence[bool] | None = None,
     stage_overhead: float = 0.0,
 ) -> list[int]:
-    """Start positions of ``len(scale)`` stages whose largest ``scale[i] x (sum(compute) +
-    stage_overhead)`` is least: stage i runs ``scale[i]`` times slower than its parts, whatever
-    it holds (see [Note: stage scale] in autopipe/measure/pipeline_scale.py). Transfers are not
-    priced.
+    """Start positions of ``len(scale)`` stages whose largest time is least, stage [a, b) taking
+    ``scale[i] x (sum(compute[a:b]) + stage_overhead) + cut_cost[a-1] (a > 0) + cut_cost[b-1]
+    (b < n)``: stage i runs ``scale[i]`` times slower than its parts, whatever it holds (see
+    [Note: stage scale] in autopipe/measure/pipeline_scale.py), and its transfers are added, as
+    ``solve`` adds them.
 
     Exact up to float rounding: bisection over the largest time, each test a reachability
-    sweep of O(S n) over the boundaries where each stage may start (a stage i starting at a
-    reaches every allowed boundary b > a whose nodes fit: one range of b per a).
+    sweep of O(S n). Stage i can start at boundary b when some start a < b of stage i - 1 has
+    ``scale x prefix[a] - cut_cost(a) >= scale x (prefix[b] + overhead) + cut_cost(b) - limit``:
+    a running maximum of the left side over the reachable a.
     """
     values = vector("compute", compute)
     n, n_stages = len(values), len(scale)
@@ -133,39 +136,39 @@ def solve_scaled(
         raise PartitionError(length_message("allowed_cuts", len(allowed), n))
     if int(allowed.sum()) + 1 < n_stages:
         raise PartitionError(f"cannot cut {n} nodes into {n_stages} stages: {int(allowed.sum())} cuts are allowed")
+    edge = boundary_vector("cut_cost", cut_cost, n)  # a transfer's seconds at boundary b in 0..n (none at the ends)
     prefix = np.concatenate(([0.0], np.cumsum(values)))
     may_start = np.concatenate(([False], allowed, [False]))  # boundary b in 0..n; stage 0 starts at 0
     index = np.arange(n + 1)
+    slack = 1e-12 * float(factors.max() * (prefix[n] + stage_overhead) + edge.sum() + 1e-30)
+
+    def time_from(i: int, ends: np.ndarray | int, starts: np.ndarray) -> np.ndarray:
+        return factors[i] * (prefix[ends] - prefix[starts] + stage_overhead) + edge[starts] + edge[ends]
 
     def reach(limit: float) -> list[np.ndarray] | None:
         """Per stage, the boundaries it can start at with every stage before it within ``limit``."""
         sets = [index == 0]
         for i in range(n_stages - 1):
-            starts = np.flatnonzero(sets[-1])
-            room = limit / factors[i] - stage_overhead
-            last = np.searchsorted(prefix, prefix[starts] + room * (1 + 1e-12), side="right") - 1
-            diff = np.zeros(n + 2, dtype=np.int64)
-            keep = last > starts
-            np.add.at(diff, starts[keep] + 1, 1)
-            np.add.at(diff, np.minimum(last[keep], n) + 1, -1)
-            nxt = (np.cumsum(diff)[: n + 1] > 0) & may_start
+            left = np.where(sets[-1], factors[i] * prefix - edge, -np.inf)
+            best = np.concatenate(([-np.inf], np.maximum.accumulate(left)[:-1]))  # over a < b
+            need = factors[i] * (prefix + stage_overhead) + edge - limit - slack
+            nxt = may_start & (best >= need)
             if not nxt.any():
                 return None
             sets.append(nxt)
-        ends_ok = factors[-1] * (prefix[n] - prefix + stage_overhead) <= limit * (1 + 1e-12)
-        if not (sets[-1] & ends_ok).any():
+        if not (sets[-1] & (index < n) & (time_from(n_stages - 1, n, index) <= limit + slack)).any():
             return None
         return sets
 
     def pick(sets: list[np.ndarray], limit: float) -> list[int]:
         starts, end = [], n
         for i in range(n_stages - 1, -1, -1):
-            fits = sets[i] & (index < end) & (factors[i] * (prefix[end] - prefix + stage_overhead) <= limit * (1 + 1e-12))
+            fits = sets[i] & (index < end) & (time_from(i, end, index) <= limit + slack)
             end = int(np.flatnonzero(fits)[-1])
             starts.append(end)
         return starts[::-1]
 
-    high = float(factors.max() * (prefix[n] + stage_overhead))
+    high = float(factors.max() * (prefix[n] + stage_overhead) + 2 * edge.max())
     if reach(high) is None:
         raise PartitionError(f"cannot cut {n} nodes into {n_stages} non-empty stages at the allowed cuts")
     low = 0.0

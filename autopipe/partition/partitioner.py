@@ -204,8 +204,8 @@ def _partition(
         balancer.check_starts(starts, len(order))
         mode = balance if isinstance(balance, str) else "split_points:" + ",".join(balance)
     elif stage_scale is not None:
-        starts, mode = balancer.solve_scaled(compute, stage_scale, allowed_cuts=allowed,
-                                             stage_overhead=overhead), \
+        starts, mode = balancer.solve_scaled(compute, stage_scale, allowed_cuts=allowed, stage_overhead=overhead,
+                                             cut_cost=[t + lat for t, lat in zip(cut_time, cut_latency)]), \
             "cost:stage_scale=" + ",".join(f"{f:.3g}" for f in stage_scale)
     else:
         starts, mode = _solve(balance, n_stages, nodes, traced, compute, cut_time, cut_latency, mem, mem_cap,
