@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--costs", metavar="PROFILE",
                         help="price the nodes by a profile made on the GPU with `autopipe profile` "
                              "(default: the analytic model of --device)")
+    report.add_argument("--stage-scale", metavar="F,F,...",
+                        help="per stage, how much slower it ran inside a pipeline than alone "
+                             "(autopipe.measure.stage_scale); the cut balances the scaled times")
     report.add_argument("--json", metavar="PATH", help="write the plan as JSON")
     report.add_argument("--figure", metavar="PATH", help="draw the plan (.png, .svg or .pdf)")
     report.add_argument("--traceback", action="store_true", help="show the traceback of an internal error")
@@ -201,6 +204,16 @@ def _profile(args: argparse.Namespace) -> None:
     print(f"profile written to {args.out}")
 
 
+def _stage_scale(text: str | None) -> tuple[float, ...] | None:
+    if text is None:
+        return None
+    try:
+        return tuple(float(f) for f in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--stage-scale {text!r}: give numbers separated by commas, one per stage, "
+                          "e.g. 1.08,1.22,1.25,1.19") from None
+
+
 def _balance(args: argparse.Namespace) -> str | list[str]:
     if args.split_points is None:
         return args.balance or "cost"
@@ -249,6 +262,7 @@ def _report(args: argparse.Namespace) -> None:
         sequence_parallel=args.sequence_parallel,
         mode=args.mode,
         measured=MeasuredCosts.load(args.costs) if args.costs else None,
+        stage_scale=_stage_scale(args.stage_scale),
     )
     print(plan)
     if args.json:

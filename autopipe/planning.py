@@ -96,6 +96,7 @@ def plan_pipeline(
     model_name: str | None = None,
     measured: MeasuredCosts | None = None,
     cut: Cut | None = None,
+    stage_scale: Sequence[float] | None = None,
 ) -> PlannedModel:
     """The front door, shared by :func:`plan_model` (and so ``autopipe report``) and
     ``parallelize``: trace ``model`` on one micro-batch, shard it for tp rank 0 (``tp > 1``; its
@@ -103,7 +104,8 @@ def plan_pipeline(
     ``pp * chunks`` stages. ``profile`` defaults by :func:`default_profile`; ``mode`` (default:
     ``measured``'s, else "eager") is how the stages will run; ``activation_dtype`` (default:
     ``measured``'s compute dtype) the dtype activations cross stages in. ``cut(graph, args)``
-    replaces ``plan_stages(graph, **args)`` (``parallelize`` measures there)."""
+    replaces ``plan_stages(graph, **args)`` (``parallelize`` measures there). ``stage_scale``:
+    how much slower each stage runs inside the pipeline ([Note: stage scale])."""
     schedule = schedule or default_schedule(chunks)
     # Refuse a schedule that cannot run before the (slower) trace, with the schedule's own reason.
     validate_schedule(schedule, pp, microbatches, chunks)
@@ -121,6 +123,8 @@ def plan_pipeline(
                 activation_dtype=activation_dtype)
     if measured is not None:
         args["measured"] = measured
+    if stage_scale is not None:
+        args["stage_scale"] = stage_scale
     plan = cut(graph, args) if cut is not None else plan_stages(graph, **args)
     return PlannedModel(traced, shard_plan, graph, plan)
 
@@ -201,6 +205,7 @@ def plan_model(
     mode: str | None = None,
     activation_dtype: torch.dtype | None = None,
     measured: MeasuredCosts | None = None,
+    stage_scale: Sequence[float] | None = None,
 ) -> PartitionPlan:
     """Plan ``model`` for ``pp`` x ``chunks`` stages of ``tp``-way tensor parallelism, as
     ``parallelize`` plans it for the same arguments (both call :func:`plan_pipeline`).
@@ -215,6 +220,8 @@ def plan_model(
     ``measured`` prices the nodes by a profile made on the GPU (``autopipe profile``); ``mode``
     (default: the profile's, else "eager") is how the stages will run, ``activation_dtype``
     (default: the profile's compute dtype) the dtype activations cross stages in.
+    ``stage_scale`` balances each stage's time times its factor, one per stage: how much slower
+    it ran inside a pipeline than alone ([Note: stage scale] in autopipe/measure/pipeline_scale.py).
     """
     # Refuse a schedule that cannot run before the (slower) model load and trace.
     validate_schedule(schedule or default_schedule(chunks), pp, microbatches, chunks)
@@ -226,4 +233,5 @@ def plan_model(
         profile=device, mode=mode, shard_rules=shard_rules, sequence_parallel=sequence_parallel,
         leaf_modules=leaf_modules, exec_sequence=exec_sequence, route=route, split_mlps=split_mlps,
         activation_dtype=activation_dtype, mem_cap=mem_cap, model_name=name, measured=measured,
+        stage_scale=stage_scale,
     ).plan

@@ -67,6 +67,21 @@ def test_report_split_points_and_balance_modes(capsys: pytest.CaptureFixture[str
     assert "balance params, device h200" in capsys.readouterr().out
 
 
+def test_report_with_a_stage_scale(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    plans = {}
+    for scale in (None, "1.5,1", "1,1.5"):
+        out = tmp_path / f"plan-{scale}.json"
+        extra = [] if scale is None else ["--stage-scale", scale]
+        assert main(["report", TINY, "--pp", "2", "--batch", "4", "--json", str(out), *extra]) == 0
+        plans[scale] = PartitionPlan.from_dict(json.loads(out.read_text()))
+    assert "balance cost:stage_scale=1.5,1" in capsys.readouterr().out
+    first = {k: len(p.stages[0].nodes) for k, p in plans.items()}
+    assert first["1.5,1"] < first[None] < first["1,1.5"]
+    assert main(["report", TINY, "--pp", "2", "--batch", "4", "--stage-scale", "1.5"]) == 2  # one per stage
+    assert main(["report", TINY, "--pp", "2", "--batch", "4", "--stage-scale", "a,b"]) == 2
+    assert "--stage-scale 'a,b'" in capsys.readouterr().err
+
+
 def test_report_timm_model_with_image_size(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["report", "timm:vit_tiny_patch16_224", "--image-size", "32", "--pp", "2", "--batch", "8",
                  "--microbatches", "2"])

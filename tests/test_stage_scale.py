@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import autopipe
+import autopipe.measure as measure_module
 from autopipe.errors import ConfigError, PartitionError
 from autopipe.measure import MeasureOptions, RunSetup, measured_plan, profile_graph, stage_scale, stage_seconds
 from autopipe.partition.balance import solve, solve_scaled
@@ -107,21 +108,28 @@ def test_bad_stage_scales_are_typed_errors(scale, kwargs, match):
         partition(traced, 2, device="cpu", stage_scale=scale, **kwargs)
 
 
-def test_the_closed_loop_compares_scaled_times():
+def test_the_closed_loop_compares_scaled_times(monkeypatch):
     torch.manual_seed(0)
     traced = trace(timm_vit(depth=4), (torch.randn(2, 3, 32, 32),))
     profile = profile_graph(traced, CPU, segments=4)
+    alone = {}  # what the fake device times each stage alone: its nodes' profiled seconds
+
+    def fake_time_plan(traced_, plan, setup, group=None, stages=None):
+        times = [sum(profile.node_seconds.get(n, 0.0) for n in s.nodes) for s in plan.stages]
+        alone[id(plan)] = times
+        return times if stages is None else [times[i] for i in stages]
+
+    monkeypatch.setattr(measure_module, "time_plan", fake_time_plan)
     plans = {scale: measured_plan(traced, CPU, dict(pp=2, device="cpu"), measured=profile,
-                                  options=MeasureOptions(reps=2, warmup=1, rounds=0, moves=0, stage_scale=scale))
+                                  options=MeasureOptions(reps=2, warmup=1, rounds=2, moves=4, stage_scale=scale))
              for scale in ((2.0, 1.0), (1.0, 2.0))}
     first, last = plans[(2.0, 1.0)], plans[(1.0, 2.0)]
     assert len(first.stages[0].nodes) < len(last.stages[0].nodes)
     for plan, scale in ((first, (2.0, 1.0)), (last, (1.0, 2.0))):
-        # measured_time is the stage's time alone times its factor: twice the profile's, for the slow one
-        slow = scale.index(2.0)
-        ratio = plan.stages[slow].measured_time / plan.stages[1 - slow].measured_time
-        alone = [s.compute_time / f for s, f in zip(plan.stages, scale)]
-        assert ratio > alone[slow] / alone[1 - slow]  # scaled up where the factor is 2
+        times = [sum(profile.node_seconds.get(n, 0.0) for n in s.nodes) for s in plan.stages]
+        # The loop kept the stages' times alone times their factors, and judged the balance by them.
+        assert [s.measured_time for s in plan.stages] == pytest.approx([t * f for t, f in zip(times, scale)])
+        assert plan.measured_imbalance < max(times) / (sum(times) / 2)
 
 
 def test_stage_scale_reads_each_stage_from_the_timeline():
