@@ -15,21 +15,26 @@ The steps run in this order, each a function of the last (see docs/architecture.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
+import gc
 import os
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.utils._pytree as pytree
 
 from .arguments import PRECISIONS, check_deadline, check_on_this_rank, check_parameters, costs_label, resolve_device
 from .errors import ConfigError, ShardingError
-from .measure import MeasureOptions, RunSetup, measured_plan
+from .measure import MeasureOptions, RunSetup, measured_plan, stage_scale
 from .measure.profile import on_rank0
 from .partition.device import execution_mode
 from .partition.measured import MeasuredCosts
 from .partition.plan import PartitionPlan
 from .runtime.batchnorm import BatchNormStats, check_batchnorm
+from .runtime.timeline import gather
 from .failure.monitor import FailureMonitor
 from .planning import Cut, PlannedModel, default_profile, default_schedule, plan_pipeline
 from .shard import apply_sharding, plan_sharding, register_group
@@ -158,6 +163,17 @@ def parallelize(
         raise ConfigError(f"batch={batch!r} is for pp='auto' (the global batch the layout is chosen for); with "
                           "pp given, example_inputs are one micro-batch")
 
+    # 0b. Optionally, a stand-in pipeline first: how much slower each stage runs inside it.
+    if isinstance(measure, MeasureOptions) and measure.pipeline_steps:
+        measure = dataclasses.replace(measure, pipeline_steps=0, stage_scale=_stage_scale_in_pipeline(
+            model, tuple(example_inputs), dataclasses.replace(measure, pipeline_steps=0), measure.pipeline_steps,
+            dict(pp=pp, tp=tp, microbatches=microbatches, schedule=schedule, chunks=chunks, balance=balance,
+                 shard_rules=shard_rules, sequence_parallel=sequence_parallel, leaf_modules=leaf_modules,
+                 exec_sequence=exec_sequence, mixed_precision=mixed_precision,
+                 activation_checkpointing=activation_checkpointing, device=device, profile=profile,
+                 deadline=deadline, cuda_graphs=cuda_graphs, split_mlps=split_mlps, compile_stages=compile_stages,
+                 batchnorm=batchnorm, costs=costs, batch_split=batch_split)))
+
     # 1. The same arguments on every rank, then local checks: every rank raises the same error
     #    before any collective.
     leaf_modules = tuple(leaf_modules)  # read again by re-traces at other batch sizes
@@ -221,6 +237,57 @@ def parallelize(
     pm = ParallelModel(model, runtime, shard_plan=shard_plan)
     pm.search = search
     return pm
+
+
+PIPELINE_WARMUP = 2  # stand-in steps before the recorded ones (the first captures CUDA graphs)
+
+
+def _stage_scale_in_pipeline(model: nn.Module, example_inputs: tuple, measure: MeasureOptions, steps: int,
+                             settings: dict[str, Any]) -> tuple[float, ...]:
+    """``MeasureOptions(pipeline_steps=n)``: a copy of ``model`` parallelized as asked, n steps
+    recorded after a warm-up on the example micro-batch repeated, with a loss of zero (its
+    gradients are zeros; the kernels run all the same), and each stage's time in that pipeline
+    over its time alone (:func:`autopipe.measure.stage_scale`, [Note: stage scale]), the same on
+    every rank. The model, its gradients and the random number generators are left as they were."""
+    if isinstance(settings["costs"], str) and settings["costs"] == "analytic":
+        raise ConfigError("measure=MeasureOptions(pipeline_steps=...) compares stages timed alone with the "
+                          "pipeline; pass costs='measured' (or a profile) with it")
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+        raise ConfigError(f"pipeline_steps must be a non-negative integer, got {steps!r}")
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    trial = parallelize(copy.deepcopy(model), example_inputs, loss_fn=_zero_loss, record_timeline=True,
+                        measure=measure, **settings)
+    try:
+        m = trial.plan.microbatches
+        inputs = tuple(torch.cat([x] * m) if isinstance(x, torch.Tensor) else x for x in example_inputs)
+        targets = torch.zeros(inputs[0].shape[0])
+        for step in range(PIPELINE_WARMUP + steps):
+            if step == PIPELINE_WARMUP:
+                trial.timeline.clear()
+            trial.train_step(inputs[0] if len(inputs) == 1 else inputs, targets)
+            for p in trial.parameters():
+                p.grad = None
+        several = dist.is_initialized() and dist.get_world_size() > 1
+        events = gather(trial.timeline) if several else trial.timeline.events()
+        found = [None if events is None else stage_scale(events, trial.plan, scale=measure.stage_scale)]
+        if several:
+            dist.broadcast_object_list(found, src=0)
+    finally:
+        trial.close()
+        del trial
+        gc.collect()
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+            torch.cuda.empty_cache()
+    return tuple(found[0])
+
+
+def _zero_loss(output: Any, target: Any) -> torch.Tensor:
+    """A loss of zero that reaches every floating output (the stand-in pipeline's)."""
+    leaves = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return sum((t.float() * 0).sum() for t in leaves)
 
 
 def _measured_cut(costs: Any, measure: MeasureOptions | None, device: torch.device, mode: str,

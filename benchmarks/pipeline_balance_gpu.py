@@ -13,6 +13,8 @@ and each is trained:
 - ``pipeline-scaled``: the same, cut again with the ``measured`` row's stage scale: each stage's
   time in that pipeline over its time alone (``autopipe.measure.stage_scale``, [Note: stage
   scale] in autopipe/measure/pipeline_scale.py);
+- ``pipeline-steps``: ``MeasureOptions(pipeline_steps=2)``, parallelize finding those factors in
+  a stand-in pipeline of its own (its build time includes that pipeline's);
 - ``analytic``: the calibrated analytic model (``costs="analytic"``, the default);
 - ``roofline``: the plain roofline of the same profile, uncalibrated (what plans were before);
 - ``equal layers``: ``balance="uniform"``, the same number of blocks in each stage: the cut users
@@ -143,6 +145,9 @@ def train_autopipe(model: nn.Module, how: str, args: argparse.Namespace, device:
     elif how == "pipeline-scaled":  # the measured cut's factors in the pipeline: [Note: stage scale]
         kw["costs"] = "measured"
         kw["measure"] = MeasureOptions(stage_scale=SCALES[type(model).__name__])
+    elif how == "pipeline-steps":  # parallelize finds the factors in a stand-in pipeline of its own
+        kw["costs"] = "measured"
+        kw["measure"] = MeasureOptions(pipeline_steps=2)
     elif how == "roofline":
         kw["profile"] = dataclasses.replace(PROFILES["h100"], calibration=None)
     elif how == "equal layers":
@@ -180,9 +185,10 @@ def train_autopipe(model: nn.Module, how: str, args: argparse.Namespace, device:
         out["busy_ms"] = [round(busy[r] * 1e3, 2) for r in sorted(busy)]
         out["busy_spread"] = max(busy.values()) / min(busy.values()) - 1
         out["bubble"] = measured_bubble(events)
-    if how in ("measured", "pipeline-scaled"):  # each stage in the pipeline over alone, for the next cut
-        found = [None if events is None else stage_scale(events, pm.plan, scale=kw.get("measure") and
-                                                         kw["measure"].stage_scale)]
+    if how in ("measured", "pipeline-scaled", "pipeline-steps"):  # each stage in the pipeline over alone
+        used = pm.plan.balance.partition("cost:stage_scale=")[2]  # the factors the plan was cut with
+        found = [None if events is None else stage_scale(events, pm.plan, scale=tuple(
+            float(f) for f in used.split(",")) if used else None)]
         dist.broadcast_object_list(found, src=0)
         out["stage_scale"] = [round(f, 4) for f in found[0]]
         SCALES[type(model).__name__] = tuple(found[0])
@@ -285,10 +291,11 @@ def table(rows: list[dict]) -> tuple[str, list[str]]:
         if "measured" not in by:
             failures.append(f"{name}: the measured cut did not run")
             continue
-        if "pipeline-scaled" in by:
-            lines.append(f"{name}: pipeline-scaled cut / measured: "
-                         f"{by['pipeline-scaled']['samples_s'] / by['measured']['samples_s']:.2f}x")
-        spread = min(by[c].get("busy_spread", 1.0) for c in ("measured", "pipeline-scaled") if c in by)
+        for cut in ("pipeline-scaled", "pipeline-steps"):
+            if cut in by:
+                lines.append(f"{name}: {cut} cut / measured: {by[cut]['samples_s'] / by['measured']['samples_s']:.2f}x")
+        spread = min(by[c].get("busy_spread", 1.0) for c in ("measured", "pipeline-scaled", "pipeline-steps")
+                     if c in by)
         if spread > MAX_SPREAD:
             failures.append(f"{name}: busy spread {spread:.3f} > {MAX_SPREAD}")
         for other in ("roofline", "analytic", "equal layers", "torch pipelining"):

@@ -189,3 +189,38 @@ def test_factors_read_from_a_run_cut_the_next_one_alike_on_every_rank(tmp_path):
     with torch.no_grad():
         reference = float(F.cross_entropy(model(x), y))
     assert results[0]["loss1"] == pytest.approx(reference, rel=1e-5)
+
+
+def _in_pipeline_rank(rank: int, world: int, cache_dir: str) -> dict:
+    x, y = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(1)), torch.arange(4) % 10
+    torch.manual_seed(0)
+    model = timm_vit(depth=4)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    pm = autopipe.parallelize(model, (x[:2],), pp=world, microbatches=2, loss_fn=F.cross_entropy, device="cpu",
+                              costs="measured", measure=MeasureOptions(segments=4, reps=2, rounds=0, moves=0,
+                                                                       cache_dir=cache_dir, pipeline_steps=1))
+    untouched = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    no_grads = all(p.grad is None for p in model.parameters())
+    loss = float(pm.train_step(x, y))
+    plan = pm.plan.to_json()
+    pm.close()
+    return {"plan": plan, "loss": loss, "untouched": untouched, "no_grads": no_grads}
+
+
+def test_parallelize_finds_the_stage_scale_in_a_stand_in_pipeline(tmp_path):
+    results = run_distributed(_in_pipeline_rank, 2, str(tmp_path), timeout=300)
+    assert results[0]["plan"] == results[1]["plan"] and '"balance": "cost:stage_scale=' in results[0]["plan"]
+    assert all(r["untouched"] and r["no_grads"] for r in results)
+    torch.manual_seed(0)
+    model = timm_vit(depth=4)
+    x, y = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(1)), torch.arange(4) % 10
+    with torch.no_grad():
+        reference = float(F.cross_entropy(model(x), y))
+    assert results[0]["loss"] == pytest.approx(reference, rel=1e-5)
+
+
+@pytest.mark.parametrize("steps, costs", [(-1, "measured"), (1, "analytic")])
+def test_bad_pipeline_steps_are_typed_errors(steps, costs):
+    with pytest.raises(ConfigError, match="pipeline_steps"):
+        autopipe.parallelize(timm_vit(depth=2), (torch.randn(2, 3, 32, 32),), pp=1, loss_fn=F.cross_entropy,
+                             device="cpu", costs=costs, measure=MeasureOptions(pipeline_steps=steps))

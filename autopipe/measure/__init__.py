@@ -39,7 +39,9 @@ class MeasureOptions:
     stages; see [Note: boundary moves]), the cache directory (None: ``default_cache_dir()``;
     ``cache=False`` times again every time), and ``stage_scale``: how much slower each stage ran
     inside a pipeline than alone, from :func:`stage_scale` of an earlier run (one factor per
-    stage; the cut and the closed loop balance the scaled times, see [Note: stage scale])."""
+    stage; the cut and the closed loop balance the scaled times, see [Note: stage scale]).
+    ``pipeline_steps=n`` has ``parallelize`` find those factors itself first: it builds a
+    stand-in pipeline of a copy of the model, records n steps of it, and cuts again."""
 
     segments: int | None = None
     reps: int = 10
@@ -50,6 +52,7 @@ class MeasureOptions:
     cache: bool = True
     cache_dir: str | None = None
     stage_scale: tuple[float, ...] | None = None
+    pipeline_steps: int = 0
 
 
 def time_plan(traced: TracedModel, plan: PartitionPlan, setup: RunSetup, group: Any = None,
