@@ -90,6 +90,7 @@ def test_partition_balances_and_reports_the_scaled_stage_times():
     starts = [order.index(s.nodes[0]) for s in slow_first.stages]
     again = partition_at(traced, starts, device="cpu", stage_scale=(1.6, 1.0))
     assert [s.compute_time for s in again.stages] == pytest.approx([s.compute_time for s in slow_first.stages])
+    assert again.balance == slow_first.balance  # a plan cut at given starts says it was scaled too
     unscaled = partition_at(traced, starts, device="cpu")
     assert again.stages[0].compute_time == pytest.approx(1.6 * unscaled.stages[0].compute_time)
 

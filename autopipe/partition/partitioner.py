@@ -203,6 +203,8 @@ def _partition(
     if starts is not None:
         balancer.check_starts(starts, len(order))
         mode = balance if isinstance(balance, str) else "split_points:" + ",".join(balance)
+        if stage_scale is not None:
+            mode += ":stage_scale=" + ",".join(f"{f:.3g}" for f in stage_scale)
     elif stage_scale is not None:
         starts, mode = balancer.solve_scaled(compute, stage_scale, allowed_cuts=allowed, stage_overhead=overhead,
                                              cut_cost=[t + lat for t, lat in zip(cut_time, cut_latency)]), \
