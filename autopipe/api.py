@@ -163,17 +163,7 @@ def parallelize(
         raise ConfigError(f"batch={batch!r} is for pp='auto' (the global batch the layout is chosen for); with "
                           "pp given, example_inputs are one micro-batch")
 
-    # 0b. Optionally, a stand-in pipeline first: how much slower each stage runs inside it.
-    if isinstance(measure, MeasureOptions) and measure.pipeline_steps:
-        measure = dataclasses.replace(measure, pipeline_steps=0, stage_scale=_stage_scale_in_pipeline(
-            model, tuple(example_inputs), dataclasses.replace(measure, pipeline_steps=0), measure.pipeline_steps,
-            dict(pp=pp, tp=tp, microbatches=microbatches, schedule=schedule, chunks=chunks, balance=balance,
-                 shard_rules=shard_rules, sequence_parallel=sequence_parallel, leaf_modules=leaf_modules,
-                 exec_sequence=exec_sequence, mixed_precision=mixed_precision,
-                 activation_checkpointing=activation_checkpointing, device=device, profile=profile,
-                 deadline=deadline, cuda_graphs=cuda_graphs, split_mlps=split_mlps, compile_stages=compile_stages,
-                 batchnorm=batchnorm, costs=costs, batch_split=batch_split)))
-
+    measure = _scaled_in_pipeline(model, tuple(example_inputs), measure, _trial_settings(locals()))
     # 1. The same arguments on every rank, then local checks: every rank raises the same error
     #    before any collective.
     leaf_modules = tuple(leaf_modules)  # read again by re-traces at other batch sizes
@@ -240,6 +230,25 @@ def parallelize(
 
 
 PIPELINE_WARMUP = 2  # stand-in steps before the recorded ones (the first captures CUDA graphs)
+# What the stand-in pipeline is built with, as parallelize was called (after pp="auto" chose).
+TRIAL_SETTINGS = ("pp", "tp", "microbatches", "schedule", "chunks", "balance", "shard_rules", "sequence_parallel",
+                  "leaf_modules", "exec_sequence", "mixed_precision", "activation_checkpointing", "device", "profile",
+                  "deadline", "cuda_graphs", "split_mlps", "compile_stages", "batchnorm", "costs", "batch_split")
+
+
+def _trial_settings(names: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in names.items() if k in TRIAL_SETTINGS}
+
+
+def _scaled_in_pipeline(model: nn.Module, example_inputs: tuple, measure: Any, settings: dict[str, Any]) -> Any:
+    """``measure`` with the stage scale a stand-in pipeline shows, where it asks for one
+    (``pipeline_steps``, then spent); otherwise ``measure`` as given."""
+    if not (isinstance(measure, MeasureOptions) and measure.pipeline_steps):
+        return measure
+    steps = measure.pipeline_steps
+    measure = dataclasses.replace(measure, pipeline_steps=0)
+    return dataclasses.replace(measure, stage_scale=_stage_scale_in_pipeline(
+        model, example_inputs, measure, steps, settings))
 
 
 def _stage_scale_in_pipeline(model: nn.Module, example_inputs: tuple, measure: MeasureOptions, steps: int,
