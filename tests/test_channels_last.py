@@ -140,9 +140,10 @@ def _train(rank: int, world: int, layout: Any, make: Any = None, split: Any = No
     return rank, [None if l is None else float(l) for l in losses], received, state
 
 
-def test_a_channels_last_pipeline_keeps_the_layout_and_trains_as_one_process():
-    results = run_distributed(_train, 2, CL, timeout=200)
-    reference = convnet().to(memory_format=CL)
+def _check_trained_as_one_process(results: list, make: Any, stage1_received: list) -> None:
+    """Two SGD steps of ``make()`` in one process, 4 micro-batches accumulated, against every
+    rank's full state; and what stage 1 received, on rank 1."""
+    reference = make().to(memory_format=CL)
     opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     x, y = data()
     for _ in range(2):
@@ -151,24 +152,17 @@ def test_a_channels_last_pipeline_keeps_the_layout_and_trains_as_one_process():
         opt.step()
         opt.zero_grad()
     for rank, losses, received, state in results:
-        if rank == 1:  # stage 1's inputs arrived over gloo, in channels-last
-            assert received and all(r == [True] for r in received)
+        if rank == 1:
+            assert received and all(r == stage1_received for r in received)
         for name, value in reference.state_dict().items():
             torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_channels_last_pipeline_keeps_the_layout_and_trains_as_one_process():
+    results = run_distributed(_train, 2, CL, timeout=200)
+    _check_trained_as_one_process(results, convnet, [True])  # stage 1's inputs arrived over gloo in channels-last
 
 
 def test_an_nhwc_boundary_of_a_channels_last_model_arrives_contiguous_and_trains_as_one_process():
     results = run_distributed(_train, 2, CL, nhwc_net, ["5"], timeout=200)
-    reference = nhwc_net().to(memory_format=CL)
-    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    x, y = data()
-    for _ in range(2):
-        for xm, ym in zip(x.split(2), y.split(2)):
-            (F.cross_entropy(reference(xm), ym) / 4).backward()
-        opt.step()
-        opt.zero_grad()
-    for rank, losses, received, state in results:
-        if rank == 1:  # stage 1 reads the NHWC map as it was made: plain contiguous
-            assert received and all(r == [(True, False)] for r in received)
-        for name, value in reference.state_dict().items():
-            torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    _check_trained_as_one_process(results, nhwc_net, [(True, False)])  # the NHWC map as made: plain contiguous

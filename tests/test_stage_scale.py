@@ -157,6 +157,15 @@ def test_a_stage_scale_needs_measured_costs():
                              device="cpu", measure=MeasureOptions(stage_scale=(1.0,)))
 
 
+def _reference_loss() -> float:
+    """The ranks' first loss, in one process: the same model, batch and targets."""
+    torch.manual_seed(0)
+    model = timm_vit(depth=4)
+    x, y = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(1)), torch.arange(4) % 10
+    with torch.no_grad():
+        return float(F.cross_entropy(model(x), y))
+
+
 def _scaled_rank(rank: int, world: int, cache_dir: str) -> dict:
     out = {}
     x, y = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(1)), torch.arange(4) % 10
@@ -184,12 +193,7 @@ def test_factors_read_from_a_run_cut_the_next_one_alike_on_every_rank(tmp_path):
     assert results[0]["plan1"] == results[1]["plan1"]
     assert results[0]["scale0"] == results[1]["scale0"] and all(f > 0 for f in results[0]["scale0"])
     assert '"balance": "cost:stage_scale=' in results[0]["plan1"]
-    torch.manual_seed(0)
-    model = timm_vit(depth=4)
-    x, y = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(1)), torch.arange(4) % 10
-    with torch.no_grad():
-        reference = float(F.cross_entropy(model(x), y))
-    assert results[0]["loss1"] == pytest.approx(reference, rel=1e-5)
+    assert results[0]["loss1"] == pytest.approx(_reference_loss(), rel=1e-5)
 
 
 def _in_pipeline_rank(rank: int, world: int, cache_dir: str) -> dict:
@@ -212,12 +216,7 @@ def test_parallelize_finds_the_stage_scale_in_a_stand_in_pipeline(tmp_path):
     results = run_distributed(_in_pipeline_rank, 2, str(tmp_path), timeout=300)
     assert results[0]["plan"] == results[1]["plan"] and '"balance": "cost:stage_scale=' in results[0]["plan"]
     assert all(r["untouched"] and r["no_grads"] for r in results)
-    torch.manual_seed(0)
-    model = timm_vit(depth=4)
-    x, y = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(1)), torch.arange(4) % 10
-    with torch.no_grad():
-        reference = float(F.cross_entropy(model(x), y))
-    assert results[0]["loss"] == pytest.approx(reference, rel=1e-5)
+    assert results[0]["loss"] == pytest.approx(_reference_loss(), rel=1e-5)
 
 
 @pytest.mark.parametrize("steps, costs", [(-1, "measured"), (1, "analytic")])
