@@ -73,11 +73,17 @@ def test_the_timer_hands_stages_channels_last_inputs():
     model = convnet().to(memory_format=CL)
     traced = trace(model, (data()[0][:2],))
     plan = partition(traced, 2, device="cpu")
+    seen = _timed_inputs(traced, plan, lambda x: x.is_contiguous(memory_format=CL))
+    assert seen == [[True], [True]]
+
+
+def _timed_inputs(traced: Any, plan: Any, look: Any) -> list[list[Any]]:
+    """``look(x)`` of each 4-D input the timer hands each stage of ``plan``."""
     seen = []
     original = timer._time
 
     def spy(stage, inputs, grads, setup):
-        seen.append([x.is_contiguous(memory_format=CL) for x in inputs if x.dim() == 4])
+        seen.append([look(x) for x in inputs if x.dim() == 4])
         return original(stage, inputs, grads, setup)
 
     timer._time = spy
@@ -85,7 +91,7 @@ def test_the_timer_hands_stages_channels_last_inputs():
         time_plan(traced, plan, timer.RunSetup("cpu", reps=1, warmup=1))
     finally:
         timer._time = original
-    assert seen == [[True], [True]]
+    return seen
 
 
 def test_a_boundary_travels_in_the_layout_it_was_traced_in():
@@ -102,18 +108,7 @@ def test_the_timer_hands_an_nhwc_boundary_over_contiguous():
     model = nhwc_net().to(memory_format=CL)
     traced = trace(model, (data()[0][:2],))
     plan = partition(traced, 2, device="cpu", balance=["5"])
-    seen = []
-    original = timer._time
-
-    def spy(stage, inputs, grads, setup):
-        seen.append([(x.is_contiguous(), x.is_contiguous(memory_format=CL)) for x in inputs if x.dim() == 4])
-        return original(stage, inputs, grads, setup)
-
-    timer._time = spy
-    try:
-        time_plan(traced, plan, timer.RunSetup("cpu", reps=1, warmup=1))
-    finally:
-        timer._time = original
+    seen = _timed_inputs(traced, plan, lambda x: (x.is_contiguous(), x.is_contiguous(memory_format=CL)))
     assert seen == [[(False, True)], [(True, False)]]
 
 
