@@ -28,11 +28,18 @@ def timm_resnet() -> nn.Module:
     return timm.create_model("resnet18", num_classes=10)
 
 
-def timm_swin() -> nn.Module:
+def timm_model(name: str, **kw: Any) -> nn.Module:
+    """timm's ``name``, randomly initialised, with 10 classes and ``kw`` (a tiny config)."""
+    import timm
+
+    return timm.create_model(name, num_classes=10, **kw)
+
+
+def timm_swin(**kw: Any) -> nn.Module:
     import timm
 
     return timm.create_model("swin_tiny_patch4_window7_224", img_size=32, patch_size=2, window_size=4,
-                             depths=(2, 2), num_heads=(2, 4), embed_dim=32, num_classes=10)
+                             depths=(2, 2), num_heads=(2, 4), embed_dim=32, num_classes=10, **kw)
 
 
 def timm_convnext() -> nn.Module:

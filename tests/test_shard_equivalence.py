@@ -50,6 +50,17 @@ def bottleneck_resnet() -> nn.Module:
     return ResNet(Bottleneck, [1, 1, 1, 1], width_per_group=16, num_classes=CLASSES)
 
 
+def swinv2_cr() -> nn.Module:
+    """timm's SwinV2-CR, its post-norms at 1 (at their default 0 the attention would not reach
+    the outputs), and its position MLPs' dropout off (train-mode outputs are compared unseeded)."""
+    model = models.timm_model("swinv2_cr_base_224", img_size=32, window_size=4, depths=(2, 2), num_heads=(2, 4),
+                              embed_dim=32, init_values=1.0)
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    return model
+
+
 class DropMLP(nn.Module):
     """A sharded-region dropout (between fc1 and fc2) and a replicated-region one (after fc2)."""
 
@@ -71,6 +82,14 @@ CASES: dict[str, Callable[[], nn.Module]] = {
     # Relative position bias sliced to each rank's heads; no stochastic depth: train-mode outputs
     # are compared without seeding.
     "hf_swin": functools.partial(models.hf_swin, drop_path_rate=0.0),
+    # Traced through its attention (one graph serves both modes): an nn.Softmax, the bias table
+    # indexed by a view of a buffer, and the shifted windows' mask.
+    "timm_swin": functools.partial(models.timm_swin, drop_path_rate=0.0),
+    # Rotary embeddings: each head's q and k halves stacked, the class token joined back on.
+    "timm_eva02": functools.partial(models.timm_model, "eva02_base_patch14_224", img_size=32, patch_size=8,
+                                    depth=2, embed_dim=64, num_heads=4),
+    # Cosine attention: q and k normalised per head (F.normalize), a learned scale per head.
+    "timm_swinv2_cr": swinv2_cr,
     "timm_convnext": models.timm_convnext,  # row-parallel 1x1 convs with a bias over channels
     "tv_resnet_bottleneck": bottleneck_resnet,
     USER_RULES: functools.partial(models.timm_vit, num_classes=12),  # a column-parallel head: 12 / 4
@@ -81,7 +100,7 @@ CASES: dict[str, Callable[[], nn.Module]] = {
 SP_CASES = ("timm_vit", "hf_vit", "tv_vit", "timm_mixer", "timm_convnext", "tv_resnet_bottleneck")
 SP = "+sequence_parallel"
 ALL_CASES = [*CASES, *(c + SP for c in SP_CASES)]
-TPS = {"hf_swin": (2,)}  # its first stage has 2 heads; the others run at tp 2 and 4
+TPS = {"hf_swin": (2,), "timm_swin": (2,), "timm_swinv2_cr": (2,)}  # their first stage has 2 heads; the others run at tp 2 and 4
 
 
 def cases_for(tp: int) -> list[str]:

@@ -283,6 +283,41 @@ class _RootDropout(nn.Module):
         return F.dropout(self.fc(x), 0.5, self.training)
 
 
+class _BufferView(nn.Module):
+    """Reads a view of a buffer (``self.index.view(-1)``, as timm's Swin attention does): fx
+    makes each view a new ``_tensor_constant<i>`` of the root, numbered per trace. With
+    ``per_mode`` it reads another buffer in eval(), and so differs between the modes."""
+
+    def __init__(self, per_mode: bool) -> None:
+        super().__init__()
+        self.per_mode = per_mode
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("index", torch.tensor([[3, 2], [1, 0]]))
+        self.register_buffer("other", torch.tensor([[0, 1], [2, 3]]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        index = self.other if self.per_mode and not self.training else self.index
+        return self.fc(x)[:, index.view(-1)]
+
+
+@pytest.mark.parametrize("per_mode", [False, True])
+def test_a_module_whose_modes_differ_only_in_a_constants_name_is_traced_through(per_mode: bool) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), _BufferView(per_mode))
+    traced = trace(model, (torch.randn(B, 4),), route="fx")
+    leaves = {n.target for n in traced.gm.graph.nodes if n.op == "call_module"}
+    assert ("1" in leaves) == per_mode, leaves  # a leaf only where its graph follows the mode
+    assert_transparent(model, torch.randn(B, 4), traced)
+
+
+def test_timm_swin_attention_is_traced_through() -> None:
+    # WindowAttention's sdpa dropout_p follows self.training but is 0 in both modes: one graph.
+    gm = traced_model("timm_swin")[2].gm
+    leaves = {type(gm.get_submodule(n.target)).__name__ for n in gm.graph.nodes if n.op == "call_module"}
+    assert "WindowAttention" not in leaves, leaves
+    attention = [str(n.target) for n in gm.graph.nodes if n.meta[MODULE_KEY].startswith("layers.1.blocks.1.attn")]
+    assert "layers.1.blocks.1.attn.softmax" in attention and "<built-in function matmul>" in attention, attention
+
+
 def test_export_rejects_mode_dependent_root() -> None:
     with pytest.raises(TraceError, match=r"train\(\) and eval\(\)"):
         trace(_RootDropout(), (torch.randn(B, 4),), route="export")

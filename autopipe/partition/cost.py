@@ -174,8 +174,8 @@ def _node_cost(gm: fx.GraphModule, node: fx.Node, params: list[nn.Parameter]) ->
 # [Note: composite modules]
 # A call_module node whose module has no rule but has children is a block that a route kept
 # opaque: the sequence route's items (ResNet's layer1, an nn.Sequential of Bottlenecks), a
-# user's leaf_modules, or a module whose forward branches on self.training (timm's Swin
-# WindowAttention, LeViT's Attention). It is priced by what it runs: the module alone is
+# user's leaf_modules, or a module whose traced graph follows self.training (LeViT's
+# Attention, which caches its bias in eval()). It is priced by what it runs: the module alone is
 # traced with the fx route's leaves, in train mode and with its non-tensor arguments fixed
 # (``mask=None``), the node's input values (meta tensors) are propagated through it on the
 # meta device, and every inner node is costed by the rules above. Its totals (FLOPs, bytes,

@@ -138,8 +138,14 @@ class _Propagator(LayoutRecord):
             self.fail(node, f"the split dim {s.dim} of {list(src)} (outer {s.outer}) has no dim of "
                             f"{list(out)} that divides by tp={self.tp}")
         j, outer = found  # type: ignore[misc]
+        sizes = self.sizes_of(node)[0]
+        whole = self.of(sizes[0]) if len(sizes) == 1 and isinstance(sizes[0], fx.Node) else None
+        if isinstance(whole, LocalShape):  # reshape(y.shape) of a y split alike: already this rank's sizes
+            if (whole.dim, whole.tokens) != (j, s.tokens):
+                self.fail(node, f"it takes the shape of a tensor split on dim {whole.dim}, not {j}")
+            return s.moved(j, outer)
         if explicit:
-            self.edit_size(node, self.sizes_of(node)[0], j)
+            self.edit_size(node, sizes, j)
             self.global_samples(node, skip=j if s.tokens else None)
         return s.moved(j, outer)
 
@@ -161,6 +167,22 @@ class _Propagator(LayoutRecord):
             for j in range(len(sizes) if isinstance(sizes, (list, tuple)) else 1):
                 self.edit_size(node, list(sizes) if isinstance(sizes, (list, tuple)) else [sizes], j)
         return tuple(s.moved(s.dim, 1) for _ in range(count))
+
+    def join(self, node: fx.Node, name: str) -> Sharded:
+        """``cat``/``stack`` of tensors split alike (EVA's rotary embedding stacks the halves of
+        each head's q and k, and joins the class token's back on): the split moves with a new dim,
+        and no join may run along it."""
+        parts = list(node.args[0]) if node.args else list(node.kwargs.get("tensors", ()))
+        lays = [self.of(a) for a in parts]
+        if not lays or any(lay != lays[0] for lay in lays) or not isinstance(lays[0], Sharded):
+            self.fail(node, f"it joins tensors of layouts {lays}; only tensors split alike join")
+        s, n = lays[0], ndim_of(parts[0])
+        d = norm_dim(ops.arg(node, 1, "dim", 0), n + (name == "stack"))
+        if name == "stack":
+            return s.moved(s.dim + (d <= s.dim))
+        if d == s.dim:
+            self.fail(node, "it joins along the split dim")
+        return s
 
     def getitem(self, node: fx.Node, base: Any, index: Any) -> Any:
         if isinstance(base, tuple):
@@ -197,6 +219,10 @@ class _Propagator(LayoutRecord):
             if ops.is_dropout(node, gm) and isinstance(self.pointwise(node), Sharded):
                 self.swaps[node.name] = "tp_dropout"
             return self.pointwise(node)
+        if isinstance(m, (torch.nn.Softmax, torch.nn.LogSoftmax)) and isinstance(s, Sharded):
+            if m.dim is None or norm_dim(m.dim, ndim_of(node)) == s.dim:
+                self.fail(node, "it takes a softmax over the split dim")
+            return s
         if isinstance(m, torch.nn.LayerNorm) and isinstance(s, Sharded):
             if s.dim >= ndim_of(node) - len(m.normalized_shape):
                 self.fail(node, "it normalises over the split dim")
@@ -241,6 +267,8 @@ class _Propagator(LayoutRecord):
                 f"cannot shard node '{node.name}' ({name}) in {node.meta.get(MODULE_KEY) or 'the top level'}: it "
                 "computes with the number of samples of a sequence-parallel region, which differs between its "
                 "ranks and the whole batch; use sequence_parallel=False")
+        if name in ops.JOINS:
+            return self.join(node, name)
         if s is None and name in ops.RESHAPES | {"expand"}:  # a whole tensor shaped by a local count
             self.global_samples(node)
             return None
@@ -268,6 +296,10 @@ class _Propagator(LayoutRecord):
         if name in ops.SOFTMAX:
             if norm_dim(ops.arg(node, 1, "dim"), n) == s.dim:
                 self.fail(node, "it takes a softmax over the split dim")
+            return s
+        if name == "normalize":  # F.normalize(x, p, dim=1): SwinV2's cosine attention, over each head
+            if norm_dim(ops.arg(node, 2, "dim", 1), n) == s.dim:
+                self.fail(node, "it normalises over the split dim")
             return s
         if name in ops.SDPA:
             qkv = [self.of(a) for a in node.args[:3]]

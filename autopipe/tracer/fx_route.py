@@ -10,6 +10,8 @@ graph per mode (:func:`trace_fx_modes`).
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import re
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -20,6 +22,9 @@ from ..errors import TraceError
 from ..graph import MODULE_KEY
 
 __all__ = ["LeafSpec", "LeafTracer", "trace_fx", "trace_fx_modes", "in_mode", "default_autowrap_functions"]
+
+# The attribute name fx gives a tensor that is neither a parameter nor a buffer.
+_TENSOR_CONSTANT = re.compile(r"_tensor_constant\d+")
 
 # A leaf is named by a module type or by a qualified-name prefix ("blocks.3.attn").
 LeafSpec = type | str
@@ -86,17 +91,40 @@ def _trace_once(model: nn.Module, leaves: Sequence[LeafSpec], autowrap: Sequence
         raise
 
 
-def _signatures_by_module(graph: fx.Graph) -> dict[str, list[str]]:
-    """Each owning module's node signatures (op, target, constant arguments), in order."""
+def _signatures_by_module(graph: fx.Graph, root: nn.Module) -> dict[str, list[str]]:
+    """Each owning module's node signatures (op, target, constant arguments), in order.
+
+    A tensor that is neither a parameter nor a buffer (a view of one: timm's Swin indexes its
+    bias table by ``self.relative_position_index.view(-1)``) becomes a ``_tensor_constant<i>``
+    attribute of the root, a new tensor numbered after those an earlier trace left there: it
+    is named here by what it holds, so that two traces that differ only in that match.
+    """
 
     def const(a: Any) -> str:
         return "%" if isinstance(a, fx.Node) else repr(a)
 
+    def target(node: fx.Node) -> str:
+        if node.op == "get_attr" and _TENSOR_CONSTANT.fullmatch(str(node.target)):
+            return _constant_signature(getattr(root, node.target, None))
+        return str(node.target)
+
     out: dict[str, list[str]] = {}
     for node in graph.nodes:
         args = fx.node.map_aggregate((node.args, node.kwargs), const)
-        out.setdefault(_innermost_module(node), []).append(f"{node.op}:{node.target}:{args}")
+        out.setdefault(_innermost_module(node), []).append(f"{node.op}:{target(node)}:{args}")
     return out
+
+
+def _constant_signature(value: Any) -> str:
+    """A tensor constant by its shape, dtype and values (by shape and dtype alone on the meta
+    device, which holds no values)."""
+    if not isinstance(value, torch.Tensor):
+        return f"constant {value!r}"
+    described = f"tensor constant {tuple(value.shape)} {value.dtype}"
+    if value.device.type == "meta":
+        return described
+    data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return f"{described} {hashlib.sha1(data).hexdigest()}"
 
 
 @contextlib.contextmanager
@@ -121,9 +149,9 @@ def _mode_dependent_modules(model: nn.Module, leaves: Sequence[LeafSpec], autowr
     ``""`` (the model itself) is among them when its own forward differs.
     """
     with in_mode(model, True):
-        train = _signatures_by_module(_trace_once(model, leaves, autowrap, concrete_args))
+        train = _signatures_by_module(_trace_once(model, leaves, autowrap, concrete_args), model)
     with in_mode(model, False):
-        evaluation = _signatures_by_module(_trace_once(model, leaves, autowrap, concrete_args))
+        evaluation = _signatures_by_module(_trace_once(model, leaves, autowrap, concrete_args), model)
     differing = [m for m in train.keys() | evaluation.keys() if train.get(m) != evaluation.get(m)]
     # Keep the outermost of nested differing modules: the leaf swallows its children.
     differing.sort(key=len)
