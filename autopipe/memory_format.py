@@ -15,7 +15,9 @@ and laid out channels-last they would reach attention and layer norms with their
 dimension strided (ViT-B/16 on an H200, 32 images, a stage starting at a block's attention:
 2.76 ms against 1.79 ms). Every rank traces the same model, so every rank reaches the same
 answer. The model's own inputs travel channels-last where the model's weights are
-(``channels_last_model``).
+(``channels_last_model``). A convolution's traced output is laid out as cuDNN writes it, whatever
+the meta or CPU kernel that propagated shapes wrote ([Note: a convolution's layout as the GPU
+makes it] in tracer/shapes.py).
 """
 from __future__ import annotations
 

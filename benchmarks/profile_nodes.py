@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.model} {mb} images, {args.mode}: {total * 1e3:.2f} ms; largest: "
               + ", ".join(f"{n} {c / total:.1%}" for c, n in top))
         if body:
-            print("  stem: " + ", ".join(f"{n} {c * 1e3:.3f} ms" for n, c in row["stem_ms"]))
+            print("  stem: " + ", ".join(f"{n} {ms:.3f} ms" for n, ms in row["stem_ms"]))
         for stages in (int(s) for s in args.stages.split(",")):
             times = stage_costs(cost, solve(cost, stages))
             floor = max(times) / (sum(times) / stages)

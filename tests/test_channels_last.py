@@ -161,3 +161,27 @@ def test_a_channels_last_pipeline_keeps_the_layout_and_trains_as_one_process():
 def test_an_nhwc_boundary_of_a_channels_last_model_arrives_contiguous_and_trains_as_one_process():
     results = run_distributed(_train, 2, CL, nhwc_net, ["5"], timeout=200)
     _check_trained_as_one_process(results, nhwc_net, [(True, False)])  # the NHWC map as made: plain contiguous
+
+
+def stem_net() -> nn.Module:
+    """ResNet's stem: a 7x7 stride-2 convolution over 3 channels (which the CPU and meta kernels
+    write plain contiguous, and cuDNN channels-last), a batch norm and a pool."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 16, 7, stride=2, padding=3, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+                         nn.MaxPool2d(3, 2, 1), nn.Conv2d(16, 16, 1), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(16, 10))
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.parametrize("channels_last", [True, False])
+def test_a_convolution_is_traced_in_the_layout_the_gpu_writes(channels_last: bool, device: str):
+    # See [Note: a convolution's layout as the GPU makes it] in tracer/shapes.py. On the meta
+    # device (where `autopipe report` and the benchmarks plan) the convolutions' outputs came
+    # out plain contiguous whatever the layout of their inputs and weights.
+    with torch.device(device):
+        model, x = stem_net(), torch.empty(2, 3, 16, 16).normal_()
+    model, x = (model.to(memory_format=CL), x.contiguous(memory_format=CL)) if channels_last else (model, x)
+    traced = trace(model, (x,))
+    layouts = {n.name: boundary_layout(n.meta.get("val")) for n in traced.gm.graph.nodes}
+    expected = CL if channels_last else torch.contiguous_format
+    assert [layouts[k] for k in ("_0", "_1", "_2", "_3", "_4")] == [expected] * 5, layouts

@@ -306,6 +306,7 @@ def test_a_module_whose_modes_differ_only_in_a_constants_name_is_traced_through(
     traced = trace(model, (torch.randn(B, 4),), route="fx")
     leaves = {n.target for n in traced.gm.graph.nodes if n.op == "call_module"}
     assert ("1" in leaves) == per_mode, leaves  # a leaf only where its graph follows the mode
+    assert not [k for k in vars(model) if k.startswith("_tensor_constant")]  # fx's, left on the root
     assert_transparent(model, torch.randn(B, 4), traced)
 
 

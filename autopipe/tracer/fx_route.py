@@ -10,6 +10,7 @@ graph per mode (:func:`trace_fx_modes`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import re
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -172,6 +173,25 @@ def _graph_module(model: nn.Module, graph: fx.Graph) -> fx.GraphModule:
     return gm
 
 
+def _leaves_no_constants(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """fx keeps a tensor that is neither a parameter nor a buffer as a ``_tensor_constant<i>``
+    attribute of the traced root; ``fn(model, ...)`` leaves none of them on the user's model
+    (its graph modules hold their own)."""
+
+    @functools.wraps(fn)
+    def wrapper(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        before = set(vars(model))
+        try:
+            return fn(model, *args, **kwargs)
+        finally:
+            for name in set(vars(model)) - before:
+                if _TENSOR_CONSTANT.fullmatch(name):
+                    delattr(model, name)
+
+    return wrapper
+
+
+@_leaves_no_constants
 def trace_fx(
     model: nn.Module,
     leaf_modules: Iterable[LeafSpec] = (),
@@ -200,6 +220,7 @@ def trace_fx(
     return _graph_module(model, _trace_once(model, leaves, autowrap_functions, concrete_args))
 
 
+@_leaves_no_constants
 def trace_fx_modes(
     model: nn.Module,
     leaf_modules: Iterable[LeafSpec] = (),
