@@ -15,6 +15,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import TraceError
 from ..graph import MODULE_KEY
+from ..memory_format import channels_last_dense
 
 __all__ = ["propagate_shapes", "to_meta"]
 
@@ -32,8 +33,7 @@ _CONV_FUNCTIONS = {torch.conv2d, torch.nn.functional.conv2d, torch.ops.aten.conv
 
 
 def _channels_last(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and t.dim() == 4 and not t.is_contiguous() \
-        and t.is_contiguous(memory_format=torch.channels_last)
+    return isinstance(t, torch.Tensor) and channels_last_dense(t)
 
 
 def _as_the_gpu_lays_it_out(gm: fx.GraphModule, node: fx.Node, args: Any, result: Any) -> Any:
