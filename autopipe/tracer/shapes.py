@@ -36,20 +36,20 @@ def _channels_last(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and channels_last_dense(t)
 
 
-def _as_the_gpu_lays_it_out(gm: fx.GraphModule, node: fx.Node, args: Any, result: Any) -> Any:
-    """``result`` of ``node``, channels-last where it is a 2-d convolution with a channels-last
-    input or weight (see [Note: a convolution's layout as the GPU makes it])."""
+def _is_convolution(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether ``node`` runs a 2-d convolution (an ``nn.Conv2d`` or a conv function)."""
+    if node.op == "call_module":
+        return isinstance(gm.get_submodule(str(node.target)), nn.Conv2d)
+    return node.op == "call_function" and node.target in _CONV_FUNCTIONS
+
+
+def _as_the_gpu_lays_it_out(gm: fx.GraphModule, node: fx.Node, args: Sequence[Any], result: Any) -> Any:
+    """``result`` of convolution ``node``, channels-last where its input or weight is (see
+    [Note: a convolution's layout as the GPU makes it])."""
     if not (isinstance(result, torch.Tensor) and result.dim() == 4) or _channels_last(result):
         return result
-    if node.op == "call_module":
-        module = gm.get_submodule(str(node.target))
-        if not isinstance(module, nn.Conv2d):
-            return result
-        weight = module.weight
-    elif node.op == "call_function" and node.target in _CONV_FUNCTIONS and len(args) > 1:
-        weight = args[1]
-    else:
-        return result
+    weight = gm.get_submodule(str(node.target)).weight if node.op == "call_module" else \
+        (args[1] if len(args) > 1 else None)
     if _channels_last(args[0] if args else None) or _channels_last(weight):
         return result.contiguous(memory_format=torch.channels_last)
     return result
@@ -79,7 +79,7 @@ class _Propagator(fx.Interpreter):
     def run_node(self, n: fx.Node) -> Any:
         try:
             result = super().run_node(n)
-            if n.op in ("call_module", "call_function"):
+            if _is_convolution(self.module, n):
                 args, _ = self.fetch_args_kwargs_from_env(n)
                 result = _as_the_gpu_lays_it_out(self.module, n, args, result)
         except Exception as exc:  # name the node: the raw error rarely does
