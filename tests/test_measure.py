@@ -383,3 +383,37 @@ def test_cli_profile_then_report_with_it(tmp_path, monkeypatch, capsys):
     assert main(["profile", *spec, "--out", str(tmp_path / "q.json")]) == 2
     assert "no CUDA device" in capsys.readouterr().err
     assert main(["profile", *spec, "--out", str(tmp_path / "missing" / "q.json")]) == 2
+
+
+# ------------------------------------------------------------------------------ timing passes
+def test_each_stage_keeps_its_fastest_pass(monkeypatch):
+    """[Note: timing passes]: the plan is timed ``passes`` times, each stage keeping the pass in
+    which it was fastest (forward and backward of one pass), node times from the first."""
+    from autopipe.measure import timer
+    from autopipe.measure.kernels import NodeTimes
+
+    nodes = NodeTimes(device={}, host={}, kernels={}, unattributed=(0.0, 0.0))
+    passes = iter([{0: timer.StageTiming(3.0, 3.0, nodes), 1: timer.StageTiming(1.0, 1.0, nodes)},
+                   {0: timer.StageTiming(1.0, 2.0), 1: timer.StageTiming(2.0, 2.0)},
+                   {0: timer.StageTiming(2.0, 2.0), 1: timer.StageTiming(0.5, 2.0)}])
+    seen = []
+
+    def one_pass(traced, plan, setup, wanted, *, kernels):
+        seen.append(kernels)
+        return next(passes)
+
+    monkeypatch.setattr(timer, "_time_pass", one_pass)
+    out = timer.time_stages(None, type("P", (), {"num_stages": 2})(), dataclasses.replace(CPU, passes=3),
+                            kernels=True)
+    assert seen == [True, False, False]
+    assert (out[0].forward, out[0].backward) == (1.0, 2.0)
+    assert (out[1].forward, out[1].backward) == (1.0, 1.0)
+    assert out[0].nodes is nodes and out[1].nodes is nodes
+
+
+def test_timing_passes_by_mode_and_their_check():
+    assert CPU.timing_passes == 1  # CPU stages: timed once
+    assert dataclasses.replace(CPU, passes=4).timing_passes == 4
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ProfileError, match="passes must be a positive integer"):
+            dataclasses.replace(CPU, passes=bad)

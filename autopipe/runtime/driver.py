@@ -16,6 +16,7 @@ from torch.utils import _pytree as pytree
 from autopipe.errors import ConfigError, InputError, ScheduleError
 from autopipe.runtime.batch_shapes import BatchShapes, Shapes
 from autopipe.runtime.graphs import StageGraphs, slots_per_stage
+from autopipe.runtime.host_threads import pinned_host_threads
 from autopipe.failure.monitor import DEFAULT_DEADLINE, FailureMonitor, failure_key
 from autopipe.runtime.microbatch import SPLITS, batch_size, merge, microbatch_sizes, split_inputs, split_targets
 from autopipe.runtime.p2p import P2P, Link, TensorSpec, check_boundary, floating_indices, world_links
@@ -302,12 +303,15 @@ class PipelineDriver:
         return program
 
     def _run(self, program: list[Step]) -> None:
-        for step in program:
-            if isinstance(step, Compute):
-                (self._forward if step.forward else self._backward)(step.stage, step.microbatch)
-            else:
-                self.transfers.post(step.transfers)
-        self.transfers.finish()
+        # The schedule runs with its host threads on this rank's core; see [Note: host thread
+        # placement] (stages compile and capture before, on the process's cores).
+        with pinned_host_threads(self.device):
+            for step in program:
+                if isinstance(step, Compute):
+                    (self._forward if step.forward else self._backward)(step.stage, step.microbatch)
+                else:
+                    self.transfers.post(step.transfers)
+            self.transfers.finish()
 
     def _forward(self, s: int, mb: int) -> None:
         bufs = self.transfers.received(ActionKind.RECV_ACT, s, mb) if s else None
