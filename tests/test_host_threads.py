@@ -60,11 +60,18 @@ def test_the_thread_is_pinned_inside_and_given_back_its_cores_after(monkeypatch)
     assert _affinity_in_thread() == before
 
 
-def test_the_environment_turns_pinning_off(monkeypatch) -> None:
-    monkeypatch.setenv(PIN_ENV, "0")
-    assert not host_threads._enabled(torch.device("cuda"))
-    monkeypatch.setenv(PIN_ENV, "1")
-    assert host_threads._enabled(torch.device("cuda")) == hasattr(os, "sched_setaffinity")
+@pytest.mark.parametrize("setting,world,pinned", [
+    (None, None, True), (None, "1", True), (None, "2", False),  # by default: a job of one process only
+    ("auto", "4", False), ("1", "4", True), ("0", None, False), ("off", "1", False),
+])
+def test_a_job_of_one_process_pins_unless_told_otherwise(monkeypatch, setting, world, pinned) -> None:
+    for name, value in ((PIN_ENV, setting), ("WORLD_SIZE", world)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    assert host_threads._enabled(torch.device("cuda")) == (pinned and hasattr(os, "sched_setaffinity"))
+    assert not host_threads._enabled(torch.device("cpu"))
 
 
 def _record_forward_affinity(monkeypatch) -> list[set[int]]:
@@ -110,6 +117,7 @@ class _BackwardAffinity(torch.autograd.Function):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="autograd's device thread needs a GPU")
 def test_a_gpu_pipeline_runs_its_schedule_on_the_rank_core(monkeypatch) -> None:
     monkeypatch.delenv(PIN_ENV, raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
     before = os.sched_getaffinity(0)
     core = host_core()
     seen = _record_forward_affinity(monkeypatch)
