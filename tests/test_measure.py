@@ -417,3 +417,24 @@ def test_timing_passes_by_mode_and_their_check():
     for bad in (0, -1, 1.5):
         with pytest.raises(ProfileError, match="passes must be a positive integer"):
             dataclasses.replace(CPU, passes=bad)
+
+
+def test_measure_options_set_the_passes(monkeypatch):
+    """``MeasureOptions.passes`` reaches the profile's and the closed loop's timings."""
+    from autopipe.measure import timer
+
+    traced = _vit_traced()
+    seen = []
+    one_pass = timer._time_pass
+
+    def counting(traced, plan, setup, wanted, *, kernels):
+        seen.append(setup.timing_passes)
+        return one_pass(traced, plan, setup, wanted, kernels=kernels)
+
+    monkeypatch.setattr(timer, "_time_pass", counting)
+    autopipe.measure.measured_plan(traced, CPU, dict(pp=2), options=MeasureOptions(passes=2, segments=2, cache=False,
+                                                                                 rounds=0, moves=0))
+    assert seen and set(seen) == {2}
+    assert len(seen) % 2 == 0  # each timing ran twice
+    with pytest.raises(ProfileError, match="passes"):
+        autopipe.measure.measured_plan(traced, CPU, dict(pp=2), options=MeasureOptions(passes=0, cache=False))

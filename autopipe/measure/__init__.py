@@ -41,11 +41,14 @@ class MeasureOptions:
     inside a pipeline than alone, from :func:`stage_scale` of an earlier run (one factor per
     stage; the cut and the closed loop balance the scaled times, see [Note: stage scale]).
     ``pipeline_steps=n`` has ``parallelize`` find those factors itself first: it builds a
-    stand-in pipeline of a copy of the model, records n steps of it, and cuts again."""
+    stand-in pipeline of a copy of the model, records n steps of it, and cuts again.
+    ``passes`` times the whole plan that many times, each stage keeping its fastest (None: 3 for
+    stages at the host's pace, 1 otherwise; see [Note: timing passes])."""
 
     segments: int | None = None
     reps: int = 10
     warmup: int = 2
+    passes: int | None = None
     target: float = 1.05
     rounds: int = 3
     moves: int = 16
@@ -77,8 +80,8 @@ def measured_plan(traced: TracedModel, setup: RunSetup, partition_args: dict[str
     initialised: every rank ends with the same plan, or every rank raises."""
     if measured is None:
         cache = ProfileCache(options.cache_dir) if options.cache else None
-        measured = profile_graph(traced, dataclasses.replace(setup, reps=options.reps, warmup=options.warmup),
-                                 segments=options.segments, cache=cache, group=group)
+        timing = dataclasses.replace(setup, reps=options.reps, warmup=options.warmup, passes=options.passes)
+        measured = profile_graph(traced, timing, segments=options.segments, cache=cache, group=group)
     else:
         given = measured
         measured = on_rank0(lambda: given if isinstance(given, MeasuredCosts) else MeasuredCosts.load(given),
@@ -92,7 +95,7 @@ def measured_plan(traced: TracedModel, setup: RunSetup, partition_args: dict[str
     plan = plan_stages(traced, measured=measured, **partition_args)
     if not closed_loop:
         return plan
-    timing = dataclasses.replace(setup, reps=options.reps, warmup=options.warmup)
+    timing = dataclasses.replace(setup, reps=options.reps, warmup=options.warmup, passes=options.passes)
     group_of = _groups(traced, measured)
 
     def timed(p: PartitionPlan, stages: list[int] | None = None) -> list[float]:
