@@ -29,9 +29,10 @@ Where the job is one process (every stage on one GPU), this is the default. Wher
 several ranks, it is not: on 2 H200s (32 cores), a 2-stage eager pipeline of ViT-B/16 at 8
 micro-batches of 32 ran at 1860 samples/s pinned against 2248 unpinned (ResNet-50: 2019 against
 1915; results/2026-11-26-h200x2-host-threads-pp2.json), while in one process pinning gave
-ResNet-50, ViT-B/16 and Swin-B 42-63% more (results/2026-11-26-h200-host-threads.json). In a
-pipeline the rank's thread also drives NCCL's point-to-point calls, whose helper threads would
-share its core. ``AUTOPIPE_PIN_THREADS=1`` pins in every process, ``=0`` in none.
+ResNet-50, ViT-B/16 and Swin-B 42-63% more (results/2026-11-26-h200-host-threads.json). Why is
+not measured: in a pipeline the rank's thread also drives NCCL's point-to-point calls, and any
+helper thread those start would share its core. ``AUTOPIPE_PIN_THREADS=1`` pins in every
+process, ``=0`` in none.
 """
 from __future__ import annotations
 
