@@ -304,6 +304,34 @@ def test_tensor_parallel_collectives_are_priced_at_their_in_step_figures():
         pytest.approx(predict(plain, dp, pricing).parts["dp_all_reduce"])
 
 
+def test_a_sequence_parallel_collective_waits_once_and_follows_once():
+    """[Note: collectives in a step]: of each reduce-scatter's and all-gather's two calls, one is
+    priced at the in-step latency and one, following another collective, at the idle one; a
+    plain layout's all-reduces are all in-step."""
+    from autopipe.shard.collectives import COLLECTIVES
+
+    traced = _vit_graph()
+    shard = plan_sharding(traced, 2, sequence_parallel=True)
+    graph = GraphCosts(traced, 2, shard_plan=shard)
+    edges = [c for c in shard.collectives if COLLECTIVES[c.kind].forward in ("reduce-scatter", "all-gather")
+             and c.fwd_bytes > 0 and c.bwd_bytes > 0]  # not the model's last gather: that is one call
+    assert edges and graph.follow_calls.sum() == len(edges)
+    plain = GraphCosts(traced, 2, shard_plan=plan_sharding(traced, 2))
+    assert plain.follow_calls.sum() == 0 and plain.calls.sum() > 0
+    # Every sequence-parallel collective is reached after compute once: as many waits as calls of
+    # collectives that are not region edges, plus one per edge.
+    assert graph.calls.sum() == len(edges) + sum((c.fwd_bytes > 0) + (c.bwd_bytes > 0)
+                                                 for c in shard.collectives if c not in edges)
+    pricing = _pricing(8, "cpu")
+    sp = Layout(1, 2, 1, 2, 1, "1f1b", True, False, "eager")
+    idle = predict(graph, sp, pricing)
+    slow = dataclasses.replace(pricing.links, tp_latency=pricing.links.collective_latency + 1e-3,
+                               tp_bandwidth=pricing.links.collective_bandwidth)
+    in_step = predict(graph, sp, dataclasses.replace(pricing, links=slow))
+    assert in_step.step_seconds - idle.step_seconds == pytest.approx(sp.microbatches * graph.calls.sum() * 1e-3,
+                                                                     rel=1e-6)
+
+
 def _auto_rank(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model = timm_vit()

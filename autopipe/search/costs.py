@@ -25,6 +25,10 @@ from autopipe.shard.collectives import COLLECTIVES
 from autopipe.shard.plan import ShardPlan
 from autopipe.tracer import TracedModel
 
+# What a sequence-parallel region's edges communicate: each such collective waits after compute one
+# way and follows another collective closely the other way ([Note: collectives in a step]).
+SEQUENCE_PARALLEL = ("reduce-scatter", "all-gather")
+
 __all__ = ["GraphCosts", "scaled"]
 
 
@@ -75,14 +79,19 @@ class GraphCosts:
         self.saved_ref = np.array([c.saved_bytes for c in self.costs], dtype=float)
         self.state_bytes = np.array([training_state_bytes(c.param_bytes) if c.param_count else 0
                                      for c in self.costs], dtype=float)
-        # Per node: bytes its tensor-parallel collectives move per rank, and how many there are.
-        self.moved_ref, self.calls = np.zeros(len(nodes)), np.zeros(len(nodes))
+        # Per node: bytes its tensor-parallel collectives move per rank, how many calls wait for
+        # the other ranks after compute, and how many follow another collective closely (see
+        # [Note: collectives in a step] in search/links.py).
+        self.moved_ref, self.calls, self.follow_calls = np.zeros(len(nodes)), np.zeros(len(nodes)), np.zeros(len(nodes))
         position = {n: i for i, n in enumerate(self.order)}
         for c in shard_plan.collectives if shard_plan is not None else ():
             i = position.get(c.src)
             if i is not None:  # see [Note: collective table] in shard/collectives.py
                 self.moved_ref[i] += COLLECTIVES[c.kind].moved(max(c.fwd_bytes, c.bwd_bytes), self.tp)
-                self.calls[i] += (c.fwd_bytes > 0) + (c.bwd_bytes > 0)
+                calls = (c.fwd_bytes > 0) + (c.bwd_bytes > 0)
+                follows = COLLECTIVES[c.kind].forward in SEQUENCE_PARALLEL and calls == 2
+                self.calls[i] += calls - follows
+                self.follow_calls[i] += follows
         # Profiles by micro-batch size: those timed as stages run plain, and those timed with
         # activation checkpointing (the recomputation included in their backward).
         profiles = list(measured.values()) if isinstance(measured, Mapping) else list(measured or ())

@@ -21,6 +21,17 @@ each one at different times, and the processes that post and wait on it share th
 compute runs on. Where such figures were measured (``layout_choice_cpu.py`` fits them on a
 model of its own), ``tp_latency`` and ``tp_bandwidth`` price the tensor-parallel collectives;
 the data-parallel all-reduce of the gradients, a few large buckets, keeps the idle figures.
+
+What a collective waits for is the other rank, which has drifted away during the compute before
+it; a collective reached right after another finds the ranks together. Under sequence
+parallelism each all-reduce becomes a reduce-scatter and, after the norms and residual adds of
+1/tp of the tokens, an all-gather; backward, an all-gather follows a reduce-scatter the same way.
+So of each sequence-parallel collective's two calls, one is reached after compute (the
+in-step figures) and one right after another collective (the idle latency). On the 2-core CPU,
+priced at the in-step figures both, ViT's tp=2 layouts with sequence parallelism came out
+27-36% long at 2-8 micro-batches, while those without were within 12%
+(results/2026-11-26-cpu-layout-choice-vit-before-follow.json); measured, sequence parallelism
+added 28 ms to a 4-micro-batch step (64 more calls: 0.44 ms each, the idle all-reduce's 0.47).
 """
 from __future__ import annotations
 
@@ -78,12 +89,14 @@ class LinkModel:
             return 0.0
         return self.collective_latency + 2 * (ranks - 1) / ranks * nbytes / self.collective_bandwidth
 
-    def collectives(self, moved_bytes: Any, calls: Any) -> Any:
-        """Seconds of ``calls`` tensor-parallel collectives moving ``moved_bytes`` per rank in all
-        (numbers or arrays), at the in-step figures where there are some."""
+    def collectives(self, moved_bytes: Any, calls: Any, follow_calls: Any = 0) -> Any:
+        """Seconds of tensor-parallel collectives moving ``moved_bytes`` per rank in all (numbers
+        or arrays): ``calls`` reached after compute, at the in-step figures where there are some,
+        and ``follow_calls`` that follow another collective closely, at the idle latency (see
+        [Note: collectives in a step])."""
         latency = self.collective_latency if self.tp_latency is None else self.tp_latency
         bandwidth = self.collective_bandwidth if self.tp_bandwidth is None else self.tp_bandwidth
-        return calls * latency + moved_bytes / bandwidth
+        return calls * latency + follow_calls * self.collective_latency + moved_bytes / bandwidth
 
     def save(self, path: str | os.PathLike[str]) -> None:
         with open(path, "w") as f:

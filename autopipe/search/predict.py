@@ -87,7 +87,7 @@ def _node_seconds(graph: GraphCosts, layout: Layout, size: int, pricing: Pricing
     fwd, bwd = graph.node_times(size, profile, recompute=layout.recompute)
     if layout.tp > 1:
         moved = graph.moved_ref * (size / graph.reference_size) * pricing.activation_bytes
-        comm = pricing.links.collectives(moved, graph.calls)
+        comm = pricing.links.collectives(moved, graph.calls, graph.follow_calls)
         # The recomputation runs the forward's collectives again.
         fwd, bwd = fwd + comm / 2, bwd + comm / 2 * (2 if layout.recompute else 1)
     return fwd, bwd
