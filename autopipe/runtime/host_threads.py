@@ -110,8 +110,10 @@ class _PinOnBackward(torch.autograd.Function):
 
 
 def _pin_device_thread(device: torch.device, core: int) -> None:
-    index = device.index if device.index is not None else torch.cuda.current_device() \
-        if device.type == "cuda" else 0
+    if device.index is not None:
+        index = device.index
+    else:
+        index = torch.cuda.current_device() if device.type == "cuda" else 0
     key = (f"{device.type}:{index}", core)
     if key in _device_threads or torch.is_inference_mode_enabled():
         return
