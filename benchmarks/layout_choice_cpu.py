@@ -8,7 +8,8 @@ timm ViT and a small torchvision ResNet, 32x32 images):
    driver's host time per compute is measured on a one-layer model, the optimizer's bytes per
    parameter and host time per tensor on parameters of the model's shapes; what transfers cost while both
    processes compute is fitted on another model (``in_situ_costs``: a pipeline rank's host time
-   per tensor sent or received, and the latency and time per byte of a tensor-parallel collective inside a step); and the graph
+   per tensor sent or received, and the latency and time per byte of a tensor-parallel collective inside a
+   step, on its tp=2 layouts at two batch sizes); and the graph
    is profiled on the CPU at every micro-batch size a layout uses, plain and with activation
    checkpointing (``profile_graph``, both processes timing a share at once, as they train);
 2. the search prices every layout it enumerates for 2 processes: pp=2, tp=2, dp=2 with their
@@ -140,94 +141,120 @@ FAN_PIPELINES = ("pp2 tp1 dp1 m4 1f1b", "pp2 tp1 dp1 m8 1f1b", "pp2 tp1 dp1 m16 
                  "pp2 tp1 dp1 m4 v2 interleaved_1f1b", "pp2 tp1 dp1 m8 v2 interleaved_1f1b",
                  "pp2 tp1 dp1 m16 v2 interleaved_1f1b", "pp2 tp1 dp1 m8 v4 interleaved_1f1b")
 FAN_SHARDS = ("pp1 tp2 dp1 m1", "pp1 tp2 dp1 m2", "pp1 tp2 dp1 m4", "pp1 tp2 dp1 m8", "pp1 tp2 dp1 m16")
+# The batches Fan's tp=2 layouts are timed at (its pipelines at the first): at one batch a step's
+# collectives move the same bytes at every micro-batch count, and the time per byte is told from
+# the fixed time of a call by nothing but the intercept; a second batch moves 4x the bytes in as
+# many calls.
+FAN_BATCHES = (16, 64)
+
+
+def _fan_loss(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(o.flatten(0, 1), t.flatten())
 
 
 def in_situ_costs(links: Any, overhead: float, optimizer: tuple[float, float], cpu: Any,
-                  batch: int = 16) -> tuple[float, Any, list]:
+                  batches: tuple[int, ...] = FAN_BATCHES) -> tuple[float, Any, list]:
     """What transfers cost while the two processes compute, fitted on ``Fan`` (not a model the
     benchmark checks): its layouts are measured, then priced by the search at a grid of values,
     and the value whose predictions fit best (least mean squared log error) is kept.
     1. Host seconds a pipeline rank spends per tensor it sends or receives (gloo's post, the
-       thread that waits on it, the hand-back, on cores the compute shares): FAN_PIPELINES,
-       0 to 1 ms, 25 us apart.
+       thread that waits on it, the hand-back, on cores the compute shares): FAN_PIPELINES at
+       the first of ``batches``, 0 to 1 ms, 25 us apart.
     2. The latency and the time per byte of a tensor-parallel collective of one micro-batch
        inside a step (both ranks must reach it, on cores the other process also runs on; an idle
-       all-reduce says far less, see [Note: collectives in a step]): FAN_SHARDS, whose payloads
-       go from 41 KB to 1 MB a call, 0 to 4 ms 25 us apart by 0 to 20 ns a byte 0.1 ns apart,
-       with 1. fixed. A tp=2 layout's predicted time is linear in the two: priced at three
-       points, the grid is searched in closed form.
-    Each layout is timed twice (the lesser kept), as the benchmark times its own.
+       all-reduce says far less, see [Note: collectives in a step]): FAN_SHARDS at each of
+       ``batches`` (16 and 64: 12 to 192 calls a step of 2.5 KB to 4 MB each, a step's bytes
+       4x apart at the same calls), 0 to 4 ms 25 us apart by 0 to 20 ns a byte 0.1 ns apart,
+       with 1. fixed (``_fit_collectives``).
+    Each layout is timed twice (the lesser kept), as the benchmark times its own; each batch is
+    priced with the profiles of its own micro-batch sizes, as the benchmark prices a model.
     Returns the transfer overhead, ``links`` with the fitted tensor-parallel figures, and the
     fit's rows."""
-    import dataclasses
-
-    import autopipe
     from autopipe.measure import RunSetup, profile_graph
     from autopipe.search import plan_layout
     from autopipe.tracer import trace
 
-    def loss(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(o.flatten(0, 1), t.flatten())
-
     torch.manual_seed(0)
     model = Fan()
-    names = FAN_PIPELINES + FAN_SHARDS
-    sizes = sorted({batch // int(name.split()[3][1:]) for name in names})
-    profiles = [profile_graph(trace(model, (torch.randn(n, 64, 256),)), RunSetup("cpu", reps=5, warmup=2), segments=8)
-                for n in sizes]
-    layouts: dict[str, Any] = {}
+    runs = [(batches[0], n) for n in FAN_PIPELINES] + [(b, n) for b in batches for n in FAN_SHARDS]
+    sizes = {b: sorted({b // int(n.split()[3][1:]) for bb, n in runs if bb == b}) for b in batches}
+    by_size = {n: profile_graph(trace(model, (torch.randn(n, 64, 256),)), RunSetup("cpu", reps=5, warmup=2), segments=8)
+               for n in sorted(set().union(*sizes.values()))}
+    profiles = {b: [by_size[n] for n in sizes[b]] for b in batches}
+    layouts: dict[tuple[int, str], Any] = {}
 
-    def price(links: Any, transfer: float, wanted: tuple[str, ...]) -> dict[str, float]:
-        result = plan_layout(model, devices=2, batch=batch, device=cpu, links=links, measured=profiles,
-                             example_inputs=(torch.randn(sizes[0], 64, 256),), mixed_precision=None,
-                             modes=("eager",), action_overhead=overhead, optimizer_bytes=optimizer[0],
-                             tensor_overhead=optimizer[1], transfer_overhead=transfer, recompute_options=(False,), sequence_parallel=False,
-                             exact=10**6, timeline=False)
+    def price(links: Any, transfer: float, wanted: list[tuple[int, str]]) -> dict[tuple[int, str], float]:
         out = {}
-        for p in result.ranked:
-            name = str(p.layout).removesuffix(" eager")
-            if name in wanted:
-                out[name], layouts[name] = p.step_seconds, p.layout
+        for b in sorted({b for b, _ in wanted}):
+            result = plan_layout(model, devices=2, batch=b, device=cpu, links=links, measured=profiles[b],
+                                 example_inputs=(torch.randn(sizes[b][0], 64, 256),), mixed_precision=None,
+                                 modes=("eager",), action_overhead=overhead, optimizer_bytes=optimizer[0],
+                                 tensor_overhead=optimizer[1], transfer_overhead=transfer, recompute_options=(False,),
+                                 sequence_parallel=False, exact=10**6, timeline=False)
+            for p in result.ranked:
+                key = (b, str(p.layout).removesuffix(" eager"))
+                if key in wanted:
+                    out[key], layouts[key] = p.step_seconds, p.layout
         return out
 
-    price(links, 0.0, names)
-    g = torch.Generator().manual_seed(1)
-    x_in, y_in = torch.randn(batch, 64, 256, generator=g), torch.randint(0, 10, (batch, 64), generator=g)
-    measured = {}
-    for name in names:
-        layout = layouts[name]
-        torch.manual_seed(0)
-        size = layout.microbatch_size(batch)
-        pm = autopipe.parallelize(Fan(), (torch.randn(size, 64, 256),), loss_fn=loss, device="cpu",
-                                  costs=_costs_for(layout, size, profiles), measure=_as_priced(),
-                                  **layout.parallelize_kwargs())
-        measured[name] = min(_time_steps(pm, (x_in, y_in), 5, 2) for _ in range(2))
-        pm.close()
+    price(links, 0.0, runs)
+    measured = {key: _time_fan(layouts[key], key[0], profiles[key[0]]) for key in runs}
 
-    def best(grid: list[float], predictions: list[dict[str, float]]) -> int:
-        fit = [sum(float(np.log(p[n] / measured[n])) ** 2 for n in p) for p in predictions]
-        return int(np.argmin(fit))
+    def misfit(predicted: dict) -> float:
+        return sum(float(np.log(p / measured[k])) ** 2 for k, p in predicted.items())
 
+    pipelines = [key for key in runs if key[1] in FAN_PIPELINES]
     grid = [i * 25e-6 for i in range(41)]
-    by_transfer = [price(links, x, FAN_PIPELINES) for x in grid]
-    transfer = grid[best(grid, by_transfer)]
-    # tp=2 layouts: step = base + calls x latency + bytes x seconds-per-byte, each layout its own.
-    at = lambda latency, per_byte: price(dataclasses.replace(links, tp_latency=latency, tp_bandwidth=1.0 / per_byte),  # noqa: E731
-                                         transfer, FAN_SHARDS)
+    transfer = min(grid, key=lambda x: misfit(price(links, x, pipelines)))
+    shards = [key for key in runs if key[1] in FAN_SHARDS]
+    terms = _linear_terms(links, lambda lk: price(lk, transfer, shards))
+    fitted = _fit_collectives(links, terms, measured)
+    predicted = price(fitted, transfer, runs)
+    rows = [{"layout": n, "batch": b, "measured": measured[b, n], "predicted": predicted[b, n],
+             **({"collective_terms": terms[b, n]} if (b, n) in terms else {})} for b, n in runs]
+    return transfer, fitted, rows
+
+
+def _time_fan(layout: Any, batch: int, profiles: list) -> float:
+    """Seconds of a step of ``Fan`` in ``layout`` at ``batch``: the lesser of two timings."""
+    import autopipe
+
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(batch, 64, 256, generator=g), torch.randint(0, 10, (batch, 64), generator=g)
+    torch.manual_seed(0)
+    size = layout.microbatch_size(batch)
+    pm = autopipe.parallelize(Fan(), (torch.randn(size, 64, 256),), loss_fn=_fan_loss, device="cpu",
+                              costs=_costs_for(layout, size, profiles), measure=_as_priced(),
+                              **layout.parallelize_kwargs())
+    seconds = min(_time_steps(pm, (x, y), 5, 2) for _ in range(2))
+    pm.close()
+    return seconds
+
+
+def _linear_terms(links: Any, price: Any) -> dict:
+    """Per layout that ``price(links)`` prices: (seconds without its tensor-parallel collectives'
+    in-step figures, calls at those figures, bytes they move), from prices at three points (a
+    layout's predicted time is linear in the latency and the time per byte)."""
+    at = lambda latency, per_byte: price(dataclasses.replace(links, tp_latency=latency,  # noqa: E731
+                                                             tp_bandwidth=1.0 / per_byte))
     base, by_call, by_byte = at(0.0, 1e-18), at(1e-3, 1e-18), at(0.0, 1e-9)
-    shards = list(FAN_SHARDS)
-    b = np.array([base[n] for n in shards])
-    calls = (np.array([by_call[n] for n in shards]) - b) / 1e-3
-    moved = (np.array([by_byte[n] for n in shards]) - b) / 1e-9
+    return {k: (base[k], (by_call[k] - base[k]) / 1e-3, (by_byte[k] - base[k]) / 1e-9) for k in base}
+
+
+def _fit_collectives(links: Any, terms: dict, measured: dict) -> Any:
+    """``links`` with the in-step latency and time per byte of a tensor-parallel collective
+    (``tp_latency``, ``tp_bandwidth``) that fit the tp=2 layouts of ``terms`` best (least squared
+    log error against ``measured``): base + calls x latency + bytes x seconds-per-byte
+    (``_linear_terms``) on a grid (0 to 4 ms 25 us apart by 0 to 20 ns a byte 0.1 ns apart),
+    searched in closed form."""
+    b, calls, moved = (np.array(column) for column in zip(*terms.values()))
     latency, per_byte = np.meshgrid(np.arange(161) * 25e-6, np.arange(201) * 0.1e-9, indexing="ij")
     pred = b + calls * latency[..., None] + moved * per_byte[..., None]
-    err = (np.log(pred / np.array([measured[n] for n in shards])) ** 2).sum(-1)
+    err = (np.log(pred / np.array([measured[k] for k in terms])) ** 2).sum(-1)
     i, j = np.unravel_index(int(np.argmin(err)), err.shape)
-    fitted = dataclasses.replace(links, tp_latency=float(latency[i, j]), tp_bandwidth=1.0 / max(float(per_byte[i, j]), 1e-12),
-                                 source=links.source + ", tensor-parallel collectives fitted on tp=2 runs")
-    predicted = price(fitted, transfer, names)
-    rows = [{"layout": n, "measured": measured[n], "predicted": predicted[n]} for n in names]
-    return transfer, fitted, rows
+    return dataclasses.replace(links, tp_latency=float(latency[i, j]), tp_bandwidth=1.0 / max(float(per_byte[i, j]), 1e-12),
+                               source=links.source + ", tensor-parallel collectives fitted on tp=2 runs at batches "
+                               + "/".join(str(b) for b in sorted({k[0] for k in terms})))
 
 
 def _as_priced() -> Any:
@@ -271,7 +298,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any)
         print(f"transfer overhead {per_transfer * 1e6:.0f} us per tensor, tensor-parallel collectives "
               f"{links.tp_latency * 1e6:.0f} us + {links.tp_bandwidth / 1e9:.2f} GB/s (idle all-reduce "
               f"{links.collective_latency * 1e6:.0f} us + {links.collective_bandwidth / 1e9:.2f} GB/s); fitted on " + ", ".join(
-                  f"{r['layout']} {r['predicted'] / r['measured'] - 1:+.0%}" for r in fan_rows), flush=True)
+                  f"{r['layout']} b{r['batch']} {r['predicted'] / r['measured'] - 1:+.0%}" for r in fan_rows), flush=True)
     rows = []
     for name in args.models.split(","):
         torch.manual_seed(0)
@@ -289,12 +316,16 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any)
         sample = torch.randn(args.batch, 3, 32, 32, generator=g), torch.randint(0, 10, (args.batch,), generator=g)
         optimizer_bytes, per_tensor = optimizer_costs(model, lambda m: F.cross_entropy(m(sample[0]), sample[1]),
                                                       cpu.mem_bandwidth)
-        result = plan_layout(model, devices=world, batch=args.batch, device=cpu, links=links, measured=profiles,
-                             example_inputs=(torch.randn(sizes[0], 3, 32, 32),), mixed_precision=None,
-                             modes=("eager",), action_overhead=overhead,
-                             optimizer_bytes=optimizer_bytes, tensor_overhead=per_tensor,
-                             transfer_overhead=per_transfer, exact=10**6,
-                             timeline=False)
+        search = lambda links: plan_layout(  # noqa: E731
+            model, devices=world, batch=args.batch, device=cpu, links=links, measured=profiles,
+            example_inputs=(torch.randn(sizes[0], 3, 32, 32),), mixed_precision=None, modes=("eager",),
+            action_overhead=overhead, optimizer_bytes=optimizer_bytes, tensor_overhead=per_tensor,
+            transfer_overhead=per_transfer, exact=10**6, timeline=False)
+        result = search(links)
+        # What each tp=2 layout's price is made of (base, calls, bytes), to see how the fitted
+        # in-step figures carry to this model.
+        terms = _linear_terms(links, lambda lk: {str(p.layout): p.step_seconds for p in search(lk).ranked
+                                                 if p.layout.tp > 1})
         g = torch.Generator().manual_seed(1)
         x, y = torch.randn(args.batch, 3, 32, 32, generator=g), torch.randint(0, 10, (args.batch,), generator=g)
         # Each rank's own timings may order near-equal layouts differently: rank 0's search decides
@@ -319,7 +350,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any)
             times = passes[str(p.layout)]
             measured = min(times)
             rows.append({"model": name, "layout": str(p.layout), "predicted": p.step_seconds, "measured": measured,
-                         "passes": times, "error": p.step_seconds / measured - 1, "parts": p.parts})
+                         "passes": times, "error": p.step_seconds / measured - 1, "parts": p.parts,
+                         **({"collective_terms": terms[str(p.layout)]} if str(p.layout) in terms else {})})
             if rank == 0:
                 print(f"{name:6s} {str(p.layout):44s} predicted {p.step_seconds * 1e3:7.1f} ms  measured "
                       f"{measured * 1e3:7.1f} ms  {p.step_seconds / measured - 1:+.1%}  (passes "
