@@ -332,6 +332,56 @@ def test_a_sequence_parallel_collective_waits_once_and_follows_once():
                                                                      rel=1e-6)
 
 
+class _TwoMLPs(torch.nn.Module):
+    """Two branches, each an MLP whose output feeds another: tp=2 shards all four, and between
+    the two MLPs of a branch the first's all-reduce (g) is followed by the second's f."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        mlp = lambda i, o: torch.nn.Sequential(torch.nn.Linear(i, 64), torch.nn.GELU(), torch.nn.Linear(64, o))  # noqa: E731
+        self.a = torch.nn.ModuleList(mlp(32, 48) for _ in range(2))
+        self.b = torch.nn.ModuleList(mlp(48, 16) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(b(a(x)) for a, b in zip(self.a, self.b))
+
+
+def _counted_rank(rank: int, world: int) -> tuple[int, int]:
+    """(calls, bytes) of the tensor-parallel all-reduces in one train step of ``_TwoMLPs`` at tp=2."""
+    import torch.distributed as dist
+
+    counted = [0, 0]
+    original = dist.all_reduce
+
+    def all_reduce(t, *args, **kwargs):
+        counted[0], counted[1] = counted[0] + 1, counted[1] + t.numel() * t.element_size()
+        return original(t, *args, **kwargs)
+
+    torch.manual_seed(0)
+    pm = autopipe.parallelize(_TwoMLPs(), (torch.randn(4, 8, 32),), tp=2, loss_fn=F.mse_loss, device="cpu")
+    x, y = torch.randn(4, 8, 32), torch.randn(4, 8, 16)
+    pm.train_step(x, y)
+    dist.all_reduce = all_reduce
+    try:
+        pm.train_step(x, y)
+    finally:
+        dist.all_reduce = original
+    pm.close()
+    return counted[0], counted[1]
+
+
+def test_collectives_are_priced_as_they_run():
+    """A collective on another's output (f after g between two MLPs) is priced, at the node the
+    first follows; one on a graph input calls nothing backward (no gradient flows into the
+    input): the priced calls and bytes are those a tp=2 train step makes."""
+    traced = trace(_TwoMLPs(), (torch.randn(4, 8, 32),))
+    graph = GraphCosts(traced, 4, shard_plan=plan_sharding(traced, 2))
+    calls, nbytes = run_distributed(_counted_rank, 2, timeout=120)[0]
+    assert calls == 6  # per branch: g after each MLP forward, f between them backward
+    assert graph.calls.sum() + graph.follow_calls.sum() == calls and graph.follow_calls.sum() == 0
+    assert graph.moved_ref.sum() == nbytes  # an all-reduce over 2 ranks moves its bytes once
+
+
 def _auto_rank(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model = timm_vit()

@@ -21,7 +21,7 @@ from autopipe.partition.cost import MATMUL_KINDS, NodeCost, graph_costs, trainin
 from autopipe.partition.device import COMPILED_FUSION, DeviceProfile
 from autopipe.partition.measured import MeasuredCosts
 from autopipe.partition.cuts import cut_candidates, cut_dag
-from autopipe.shard.collectives import COLLECTIVES
+from autopipe.shard.collectives import COLLECTIVES, RING_UNITS
 from autopipe.shard.plan import ShardPlan
 from autopipe.tracer import TracedModel
 
@@ -82,16 +82,8 @@ class GraphCosts:
         # Per node: bytes its tensor-parallel collectives move per rank, how many calls wait for
         # the other ranks after compute, and how many follow another collective closely (see
         # [Note: collectives in a step] in search/links.py).
-        self.moved_ref, self.calls, self.follow_calls = np.zeros(len(nodes)), np.zeros(len(nodes)), np.zeros(len(nodes))
-        position = {n: i for i, n in enumerate(self.order)}
-        for c in shard_plan.collectives if shard_plan is not None else ():
-            i = position.get(c.src)
-            if i is not None:  # see [Note: collective table] in shard/collectives.py
-                self.moved_ref[i] += COLLECTIVES[c.kind].moved(max(c.fwd_bytes, c.bwd_bytes), self.tp)
-                calls = (c.fwd_bytes > 0) + (c.bwd_bytes > 0)
-                follows = COLLECTIVES[c.kind].forward in SEQUENCE_PARALLEL and calls == 2
-                self.calls[i] += calls - follows
-                self.follow_calls[i] += follows
+        self.moved_ref, self.calls, self.follow_calls = _collective_counts(
+            shard_plan.collectives if shard_plan is not None else (), nodes, self.tp)
         # Profiles by micro-batch size: those timed as stages run plain, and those timed with
         # activation checkpointing (the recomputation included in their backward).
         profiles = list(measured.values()) if isinstance(measured, Mapping) else list(measured or ())
@@ -257,6 +249,38 @@ def _fixed_seconds(profiles: Mapping[int, MeasuredCosts]) -> dict[str, float]:
         slope, intercept = np.polyfit(x, y, 1)
         out[name] = float(min(max(intercept, 0.0), y.min()))
     return out
+
+
+def _collective_counts(collectives, nodes: list, tp: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per node (of ``nodes``): bytes the tensor-parallel ``collectives`` after it move per rank,
+    their calls reached after compute, and their calls that follow another collective closely
+    (see [Note: collectives in a step] in search/links.py and [Note: collective table] in
+    shard/collectives.py).
+    - A collective on another one's output (an f after a g between two MLPs, a gather after a
+      reduce-scatter around an empty sequence-parallel region) is counted at the node the first
+      follows; its forward call follows that collective's closely. Such a pair is no region's
+      edge: the first's backward call is reached after compute too.
+    - A collective on a graph input calls nothing backward: no gradient flows into the inputs."""
+    moved, calls, follows = np.zeros(len(nodes)), np.zeros(len(nodes)), np.zeros(len(nodes))
+    position = {n.name: i for i, n in enumerate(nodes)}
+    by_name = {c.name: c for c in collectives}
+    chained_into = {c.src for c in collectives if c.src in by_name}
+    for c in collectives:
+        src = c.src
+        while src in by_name:
+            src = by_name[src].src
+        i = position.get(src)
+        if i is None:
+            continue
+        kind = COLLECTIVES[c.kind]
+        forward, backward = c.fwd_bytes > 0, c.bwd_bytes > 0 and nodes[i].op != "placeholder"
+        units = RING_UNITS[kind.forward] * forward + RING_UNITS[kind.backward] * backward
+        moved[i] += units * (tp - 1) / tp * max(c.fwd_bytes, c.bwd_bytes)
+        follow = (c.src in by_name and forward) or (kind.forward in SEQUENCE_PARALLEL and forward and backward
+                                                    and c.name not in chained_into)
+        calls[i] += forward + backward - follow
+        follows[i] += follow
+    return moved, calls, follows
 
 
 def _size_of(profile: MeasuredCosts, default: int) -> int:
