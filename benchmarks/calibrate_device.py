@@ -3,6 +3,9 @@
     # on the GPU machine: each node's kernel times of real models, forward and backward, under
     # bf16 autocast, and the segments' eager and CUDA-graph timings
     python benchmarks/calibrate_device.py collect --out rows.json
+    # the same models channels-last (their convolutions, norms and pooling are classes apart:
+    # [Note: kernel layout] in autopipe/partition/calibration.py)
+    python benchmarks/calibrate_device.py collect --channels-last --out rows-nhwc.json
     # anywhere: fit the factors, write the table the h100 profile loads, print the fit's error
     python benchmarks/calibrate_device.py fit rows.json --name h100
 
@@ -88,10 +91,10 @@ def rows_from_profiles(traced: Any, graphs: Any, eager: Any, model: str, microba
     return nodes, segs
 
 
-def write_rows(path: str, nodes: list, segs: list, device: str) -> None:
+def write_rows(path: str, nodes: list, segs: list, device: str, channels_last: bool = False) -> None:
     import torch
 
-    meta = {"device": device, "torch": torch.__version__, "dtype": "bfloat16",
+    meta = {"device": device, "torch": torch.__version__, "dtype": "bfloat16", "channels_last": channels_last,
             "date": datetime.date.today().isoformat(), "models": sorted({r["model"] for r in nodes}),
             "microbatches": sorted({r["microbatch"] for r in nodes}), "host": platform.node()}
     with open(path, "w") as f:
@@ -99,7 +102,7 @@ def write_rows(path: str, nodes: list, segs: list, device: str) -> None:
 
 
 def collect(models: list[str], microbatches: list[int], reps: int, out: str, device: str = "cuda",
-            image_size: int | None = None) -> None:
+            image_size: int | None = None, channels_last: bool = False) -> None:
     import torch
 
     from autopipe.measure import RunSetup, profile_graph
@@ -115,7 +118,7 @@ def collect(models: list[str], microbatches: list[int], reps: int, out: str, dev
         for mb in microbatches:
             begin = time.perf_counter()
             model = load_model(name if ":" in name else f"timm:{name}", image_size=image_size)
-            traced = trace(model, (default_input(model, mb, image_size=image_size),))
+            traced = trace(*_laid_out(model, default_input(model, mb, image_size=image_size), channels_last))
             profiles = {mode: profile_graph(traced, RunSetup(dev, mode, torch.bfloat16, reps=reps))
                         for mode in (("graphs", "eager") if dev.type == "cuda" else ("eager",))}
             n, s = rows_from_profiles(traced, profiles.get("graphs", profiles["eager"]), profiles["eager"], name, mb,
@@ -124,8 +127,17 @@ def collect(models: list[str], microbatches: list[int], reps: int, out: str, dev
             nodes += n
             segs += [dict(x, nodes=[i + offset for i in x["nodes"]]) for x in s]
             print(f"{name} mb={mb}: {len(n)} nodes in {time.perf_counter() - begin:.1f} s", flush=True)
-    write_rows(out, nodes, segs, device_name(dev))
+    write_rows(out, nodes, segs, device_name(dev), channels_last)
     print(f"wrote {len(nodes)} nodes, {len(segs)} segments to {out}")
+
+
+def _laid_out(model: Any, example: Any, channels_last: bool) -> tuple[Any, tuple]:
+    """``model`` and its example input, moved to channels-last where asked."""
+    import torch
+
+    if not channels_last:
+        return model, (example,)
+    return model.to(memory_format=torch.channels_last), (example.contiguous(memory_format=torch.channels_last),)
 
 
 # ---------------------------------------------------------------------------------- fit
@@ -139,12 +151,12 @@ def refeature(nodes: list[dict], profile: str) -> None:
     from autopipe.tracer import trace
 
     base = PROFILES[profile]
-    costs: dict[tuple[str, int], Any] = {}
+    costs: dict[tuple[str, int, bool], Any] = {}
     for row in nodes:
-        key = (row["model"], row["microbatch"])
+        key = (row["model"], row["microbatch"], row.get("channels_last", False))
         if key not in costs:
             model = load_model(key[0] if ":" in key[0] else f"timm:{key[0]}")
-            costs[key] = graph_costs(trace(model, (default_input(model, key[1]),)).gm)
+            costs[key] = graph_costs(trace(*_laid_out(model, default_input(model, key[1]), key[2])).gm)
         cost = costs[key][row["node"]]
         for direction, backward in (("fwd", False), ("bwd", True)):
             kernels = kernel_features(cost, base, backward=backward)
@@ -213,8 +225,9 @@ def _kernels(rows: list[dict]) -> np.ndarray:
 
 
 def _segment_prediction(nodes: list[dict], segs: list[dict], model: dict[str, Any], mode: str,
-                        host: tuple[float, float] | None = None) -> np.ndarray:
-    gpu = _gpu(nodes, model)
+                        host: tuple[float, float] | None = None, gpu: np.ndarray | None = None) -> np.ndarray:
+    """Predicted seconds of each segment; ``gpu``: the nodes' device seconds when known."""
+    gpu = _gpu(nodes, model) if gpu is None else gpu
     if mode == "eager":
         h = np.array(host if host is not None else model["host"])
         gpu = np.maximum(gpu, _kernels(nodes) * h[None, :])
@@ -233,10 +246,11 @@ def fit(nodes: list[dict], segs: list[dict]) -> dict[str, Any]:
     model["overhead"]["graphs"] = max(float(np.median(measured["graphs"] - _segment_prediction(
         nodes, segs, model, "graphs"))), 0.0)
     best, best_err = (0.0, 0.0), float("inf")
+    gpu = _gpu(nodes, model)
     for h in np.geomspace(1e-6, 1e-4, 60):
         for ratio in (1.0, 1.5, 2.0, 3.0):
             host = (float(h), float(h * ratio))
-            pred = _segment_prediction(nodes, segs, model, "eager", host) - model["overhead"]["eager"]
+            pred = _segment_prediction(nodes, segs, model, "eager", host, gpu) - model["overhead"]["eager"]
             excess = max(float(np.median(measured["eager"] - pred)), 0.0)
             err = float(np.median(np.abs(pred + excess - measured["eager"]) / measured["eager"]))
             if err < best_err:
@@ -254,7 +268,7 @@ def fit(nodes: list[dict], segs: list[dict]) -> dict[str, Any]:
 def _stage_errors(segs: list[dict], pred: np.ndarray, meas: np.ndarray, parts: int) -> list[float]:
     by_run: dict[tuple, list[int]] = defaultdict(list)
     for i, s in enumerate(segs):
-        by_run[(s["model"], s["microbatch"])].append(i)
+        by_run[(s["model"], s["microbatch"], s.get("channels_last", False))].append(i)
     errs = []
     for idx in by_run.values():
         for chunk in np.array_split(np.array(idx), parts):
@@ -303,6 +317,7 @@ def report(nodes: list[dict], segs: list[dict], meta: dict[str, Any]) -> dict[st
         "factors": model["factors"], "stage": model["overhead"],
         "fit": {"made_by": "benchmarks/calibrate_device.py", "dtype": meta["dtype"], "torch": meta["torch"],
                 "date": meta["date"], "models": meta["models"], "microbatches": meta["microbatches"],
+                "layouts": meta.get("layouts", ["contiguous"]),
                 "nodes": len(nodes), "segments": len(segs), "stage_overhead": model["overhead"], "error": errors},
     }
 
@@ -322,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--out", required=True)
     c.add_argument("--device", default="cuda")
     c.add_argument("--image-size", type=int, default=None)
+    c.add_argument("--channels-last", action="store_true",
+                   help="the models and their inputs in channels-last layout (rows for the kernels' NHWC classes)")
     f = sub.add_parser("fit")
     f.add_argument("rows", nargs="+")
     f.add_argument("--name", required=True, help="profile name: writes autopipe/partition/calibration/NAME.json")
@@ -331,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.cmd == "collect":
         collect(args.models.split(","), [int(x) for x in args.microbatch.split(",")], args.reps, args.out,
-                args.device, args.image_size)
+                args.device, args.image_size, args.channels_last)
         return 0
     from autopipe.partition.device import PROFILES
 
@@ -339,13 +356,14 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.rows:
         with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as fh:
             data = json.load(fh)
-        offset = len(nodes)
-        nodes += data["nodes"]
-        segs += [dict(s, nodes=[i + offset for i in s["nodes"]]) for s in data["segments"]]
+        offset, layout = len(nodes), bool(data["meta"].get("channels_last", False))
+        nodes += [dict(r, channels_last=layout) for r in data["nodes"]]
+        segs += [dict(s, nodes=[i + offset for i in s["nodes"]], channels_last=layout) for s in data["segments"]]
         meta = meta or data["meta"]
     if meta is None:
         raise SystemExit("no rows given")
     meta["models"] = sorted({r["model"] for r in nodes})
+    meta["layouts"] = sorted({"channels_last" if r["channels_last"] else "contiguous" for r in nodes})
     if args.name not in PROFILES:
         raise SystemExit(f"--name {args.name!r} is not a device profile; one of {sorted(PROFILES)}")
     if not args.stored_features:

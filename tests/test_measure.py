@@ -26,7 +26,7 @@ from autopipe.partition.balance import least_imbalance
 from autopipe.partition.cuts import cut_candidates
 from autopipe.partition.partitioner import partition_at
 from autopipe.measure.kernels import node_times
-from autopipe.partition.calibration import Calibration, class_of, load_calibration
+from autopipe.partition.calibration import Calibration, class_of, load_calibration, plain_class
 from autopipe.partition.cost import graph_costs
 from autopipe.partition.device import PROFILES, DeviceProfile
 from autopipe.partition.measured import MeasuredCosts, Segment, fingerprint, spread
@@ -286,6 +286,61 @@ def test_calibration_classes_and_table():
     with pytest.raises(ConfigError, match="not a calibration table"):
         Calibration.from_dict({"schema": 1, "device": "x", "factors": {"gemm/64": [-1, 1]}, "launch": [0, 0],
                                "host": [0, 0]})
+
+
+class _ConvBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.norm = nn.Conv2d(64, 64, 3, padding=1), nn.BatchNorm2d(64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.norm(self.conv(x)))
+
+
+def _layout_probe(channels_last: bool, **trace_kwargs) -> dict:
+    """Class of each launched node of a small convolutional model in either layout."""
+    torch.manual_seed(0)
+    block = _ConvBlock()
+    model = nn.Sequential(nn.Conv2d(3, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(), block,
+                          nn.Conv2d(64, 64, 3, padding=1, groups=64), nn.MaxPool2d(2), nn.Flatten(),
+                          nn.Linear(64 * 16 * 16, 10))
+    x = torch.randn(2, 3, 32, 32)
+    if channels_last:
+        model, x = model.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
+    costs = graph_costs(trace(model, (x,), **trace_kwargs).gm)
+    return {n: [class_of(p) for p in (c.parts or (c,)) if p.kind not in ("view", "none")]
+            for n, c in costs.items() if c.kind not in ("view", "none")}
+
+
+def test_a_channels_last_kernel_has_a_class_of_its_own():
+    """[Note: kernel layout]: convolutions, batch norms and pooling over channels-last maps are
+    classes apart, also inside a block priced by its parts; other kernels keep their class."""
+    plain, nhwc = _layout_probe(False), _layout_probe(True)
+    assert plain["_0"] == ["conv/4"] and nhwc["_0"] == ["conv-nhwc/4"]  # a stem: 3 channels in
+    assert plain["_1"] == ["norm:batch/64ch"] and nhwc["_1"] == ["norm:batch-nhwc/64ch"]
+    assert nhwc["_2"] == plain["_2"] and "nhwc" not in nhwc["_2"][0]  # ReLU: any layout
+    assert nhwc["_4"][0].startswith("dwconv-nhwc/") and nhwc["_5"][0].startswith("reduction:pool-nhwc/")
+    assert "nhwc" not in nhwc["_7"][0]  # the linear layer
+    block = _layout_probe(True, leaf_modules=[_ConvBlock])["_3"]  # a composite: conv, norm and ReLU inside
+    assert block[:2] == ["conv-nhwc/64", "norm:batch-nhwc/64ch"], block
+
+
+def test_a_table_without_channels_last_rows_prices_them_as_nchw():
+    costs = graph_costs(trace(nn.Sequential(nn.Conv2d(64, 64, 3), nn.BatchNorm2d(64)).to(
+        memory_format=torch.channels_last), (torch.randn(2, 64, 16, 16).contiguous(
+            memory_format=torch.channels_last),)).gm)
+    conv = next(c for c in costs.values() if c.family == "conv")
+    assert conv.channels_last and class_of(conv) == "conv-nhwc/64" and plain_class(class_of(conv)) == "conv/64"
+    plain = Calibration("gpu", {"conv/64": (2.0, 3.0)}, launch=(1e-6, 2e-6), host=(0.0, 0.0),
+                        launches={"conv": (5e-6, 6e-6)})
+    assert plain.factor("conv-nhwc/64", True) == 3.0 and plain.launch_time("conv-nhwc/64", False) == 5e-6
+    both = dataclasses.replace(plain, factors={**plain.factors, "conv-nhwc/64": (0.5, 0.7)},
+                               launches={**plain.launches, "conv-nhwc": (1e-6, 1e-6)})
+    assert both.factor("conv-nhwc/64", False) == 0.5 and both.factor("conv/64", False) == 2.0
+    assert both.launch_time("conv-nhwc/64", True) == 1e-6
+    profile = DeviceProfile("p", 1e12, 1e11, 1e11, 1e9, 1e-5, 5e-6, calibration=both).with_mode("graphs")
+    nchw = dataclasses.replace(conv, channels_last=False)
+    assert profile.node_time(conv) < profile.node_time(nchw)  # its own, smaller factor
 
 
 def test_a_calibrated_profile_prices_launches_by_mode():

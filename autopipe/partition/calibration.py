@@ -39,6 +39,16 @@ kernel of bucket b costs the most of f_j x roofline(bytes clipped to bucket j's 
 buckets j <= b: the price within a bucket starts where the bucket below ended and grows with
 the bytes. The fit (kernel_features) still sees each kernel's own bucket and roofline.
 
+[Note: kernel layout]
+A convolution, a batch norm or a pooling over channels-last maps (a model moved to
+``memory_format=torch.channels_last``) runs other kernels than over NCHW maps: on an H200,
+ResNet-50's first batch norm at 32 x 64 x 112 x 112 takes 0.33 ms forward and backward in NHWC
+against 1.15 ms in NCHW, and a depthwise convolution's NHWC kernel is not its NCHW one. So the
+class of such a kernel (``NodeCost.channels_last``) carries the layout after its kind
+("conv-nhwc/64", "norm:batch-nhwc/64ch", "dwconv-nhwc/4MiB"), and a table fitted on rows of
+both layouts keeps a factor and a launch time for each. A table that has no factor for a
+channels-last class (fitted on NCHW rows alone) prices it as the NCHW class of the same shape.
+
 The factors are fitted by ``benchmarks/calibrate_device.py`` from the measured forward and
 backward kernel times of every node of real models (non-negative least squares on relative
 error; see that script), and kept as data beside this module (``calibration/<device>.json``)
@@ -55,12 +65,13 @@ from typing import Any
 from autopipe.errors import ConfigError
 from autopipe.partition.cost import FREE_KINDS, MATMUL_KINDS, NodeCost
 
-__all__ = ["Calibration", "class_of", "kernel_kind", "load_calibration", "CALIBRATION_DIR", "DIM_BOUNDS",
+__all__ = ["Calibration", "class_of", "kernel_kind", "plain_class", "NHWC", "load_calibration", "CALIBRATION_DIR", "DIM_BOUNDS",
            "BYTE_BOUNDS", "BYTE_LABELS", "BYTE_LIMITS"]
 
 SCHEMA_VERSION = 1
 CALIBRATION_DIR = os.path.join(os.path.dirname(__file__), "calibration")
 DIM_BOUNDS = (4, 16, 32, 64, 128, 256, 512, 1024)
+NHWC = "-nhwc"  # the layout mark of a channels-last kernel's class
 BYTE_BOUNDS = tuple(2**18 * 4**i for i in range(5))  # 256 KiB, 1 MiB, 4 MiB, 16 MiB, 64 MiB
 
 
@@ -83,16 +94,23 @@ def _bytes_label(b: int) -> str:
 def class_of(cost: NodeCost, *, backward: bool = False) -> str:
     """The calibration class of one launched kernel (a node, or a part of a composite one)."""
     nbytes = cost.bwd_bytes if backward else cost.fwd_bytes
+    layout = NHWC if cost.channels_last else ""  # see [Note: kernel layout]
     if cost.kind in MATMUL_KINDS:
         if cost.family == "dwconv":  # memory-bound: by bytes, as the vector kernels
-            return f"dwconv/{_bucket(nbytes, BYTE_BOUNDS, _bytes_label)}"
+            return f"dwconv{layout}/{_bucket(nbytes, BYTE_BOUNDS, _bytes_label)}"
         if cost.family in ("gemm", "conv") and cost.min_dim > 0:
-            return f"{cost.family}/{_bucket(cost.min_dim, DIM_BOUNDS)}"
+            return f"{cost.family}{layout}/{_bucket(cost.min_dim, DIM_BOUNDS)}"
         return cost.kind  # attention, or a GEMM whose shape the rule could not tell
     if cost.family == "batch" and cost.min_dim > 0:  # by channels: see op_rules.norm
-        return f"norm:batch/{_bucket(cost.min_dim, DIM_BOUNDS)}ch"
+        return f"norm:batch{layout}/{_bucket(cost.min_dim, DIM_BOUNDS)}ch"
     kind = f"{cost.kind}:{cost.family}" if cost.family else cost.kind
-    return f"{kind}/{_bucket(nbytes, BYTE_BOUNDS, _bytes_label)}"
+    return f"{kind}{layout}/{_bucket(nbytes, BYTE_BOUNDS, _bytes_label)}"
+
+
+def plain_class(name: str) -> str:
+    """The NCHW class of the same kernel shape ("conv-nhwc/64" -> "conv/64"): what a table with
+    no channels-last rows prices a channels-last kernel by."""
+    return name.replace(NHWC, "", 1)
 
 
 def kernel_kind(name: str) -> str:
@@ -129,11 +147,13 @@ class Calibration:
 
     def launch_time(self, name: str, backward: bool) -> float:
         """The GPU seconds a launched kernel of class ``name`` adds besides its roofline."""
-        return self.launches.get(kernel_kind(name), self.launch)[int(backward)]
+        pair = self.launches.get(kernel_kind(name)) or self.launches.get(kernel_kind(plain_class(name)), self.launch)
+        return pair[int(backward)]
 
     def factor(self, name: str, backward: bool) -> float:
-        """The fitted multiplier of class ``name`` (1 for a class the fit never saw)."""
-        pair = self.factors.get(name)
+        """The fitted multiplier of class ``name``: a channels-last class the fit never saw
+        takes its NCHW class's, and a class the fit never saw at all 1."""
+        pair = self.factors.get(name) or self.factors.get(plain_class(name))
         return pair[int(backward)] if pair is not None else 1.0
 
     def to_json(self) -> str:

@@ -19,8 +19,9 @@ from torch.utils import _pytree as pytree
 
 from autopipe.errors import ConfigError
 from autopipe.graph import tensor_bytes, tensor_values, value_bytes, value_of
+from autopipe.memory_format import channels_last_dense
 from autopipe.tracer.fx_route import in_mode, trace_fx
-from autopipe.tracer.shapes import to_meta
+from autopipe.tracer.shapes import as_the_gpu_lays_it_out, to_meta
 
 from .op_rules import DEFAULT, Op, Work
 from .rule_tables import FUNCTION_NAMES, MODULE_RULES, NAMED_RULES, module_rule, rule_for
@@ -36,6 +37,7 @@ __all__ = [
     "MODULE_RULES",
     "MATMUL_KINDS",
     "FREE_KINDS",
+    "LAYOUT_FAMILIES",
 ]
 
 # [Note: cost conventions]
@@ -65,6 +67,7 @@ __all__ = [
 #   mul/div of two tensors: both. Unknown ops: their floating inputs (err towards memory).
 # Unknown ops cost 1 FLOP per output element (vector units) and read/write their tensors.
 
+LAYOUT_FAMILIES = frozenset({"conv", "dwconv", "batch", "pool"})  # kernels that differ by layout
 MATMUL_KINDS = frozenset({"matmul", "attention"})  # run on matmul units (tensor cores)
 FREE_KINDS = frozenset({"view", "none"})  # launch no work: 0 FLOPs, 0 bytes, no overhead
 _BWD_RATIO = {"matmul": 2.0, "attention": 2.0, "norm": 2.0}
@@ -97,7 +100,10 @@ class NodeCost:
     # batch norm's channels.
     family: str = ""
     min_dim: int = 0
-
+    # Whether the kernel runs on maps laid out channels-last (NHWC): only for the families whose
+    # kernels differ by layout (LAYOUT_FAMILIES: convolutions, batch norms, pooling). A
+    # calibration keeps their factors apart ([Note: kernel layout] in partition/calibration.py).
+    channels_last: bool = False
 
 
 def _owned_params(gm: fx.GraphModule, node: fx.Node) -> list[nn.Parameter]:
@@ -126,7 +132,7 @@ def _assemble(op: Op, work: Work, params: list[nn.Parameter]) -> NodeCost:
     out_bytes = value_bytes(op.out)
     param_count = sum(p.numel() for p in params)
     param_bytes = sum(tensor_bytes(p) for p in params)
-    shape = dict(family=work.family, min_dim=work.min_dim)
+    shape = dict(family=work.family, min_dim=work.min_dim, channels_last=_channels_last_kernel(op, work))
     if work.kind in FREE_KINDS:
         return NodeCost(0.0, 0.0, 0.0, 0.0, param_count, param_bytes, 0, out_bytes, work.kind, **shape)
     reads = work.reads if work.reads is not None else sum(
@@ -142,6 +148,15 @@ def _assemble(op: Op, work: Work, params: list[nn.Parameter]) -> NodeCost:
     return NodeCost(float(work.flops), float(bwd_flops), float(reads + out_bytes),
                     float(out_bytes + reads + work.saved), param_count, param_bytes,
                     int(work.saved), out_bytes, work.kind, **shape)
+
+
+def _channels_last_kernel(op: Op, work: Work) -> bool:
+    """Whether ``op`` runs a kernel of a layout-sensitive family on channels-last maps: its
+    first 4-D activation (or, for a convolution over a plain input, its weight) is channels-last."""
+    if work.family not in LAYOUT_FAMILIES:
+        return False
+    maps = [t for t in op.activations if t.dim() == 4][:1] or [t for t in op.weights if t.dim() == 4][:1]
+    return bool(maps) and channels_last_dense(maps[0])
 
 
 def _node_cost(gm: fx.GraphModule, node: fx.Node, params: list[nn.Parameter]) -> NodeCost:
@@ -203,7 +218,10 @@ class _MetaPropagator(fx.Interpreter):
         return torch.func.functional_call(m, state, tuple(args), kwargs)
 
     def run_node(self, n: fx.Node) -> Any:
-        n.meta["val"] = to_meta(super().run_node(n))
+        result = super().run_node(n)
+        if n.op in ("call_module", "call_function"):  # a convolution's layout as on the GPU
+            result = as_the_gpu_lays_it_out(self.module, n, self.fetch_args_kwargs_from_env(n)[0], result)
+        n.meta["val"] = to_meta(result)
         return n.meta["val"]
 
 

@@ -17,7 +17,7 @@ from ..errors import TraceError
 from ..graph import MODULE_KEY
 from ..memory_format import channels_last_dense
 
-__all__ = ["propagate_shapes", "to_meta"]
+__all__ = ["propagate_shapes", "to_meta", "as_the_gpu_lays_it_out"]
 
 # [Note: a convolution's layout as the GPU makes it]
 # The traced values' strides say which layout each tensor crosses a stage boundary in ([Note:
@@ -43,9 +43,11 @@ def _is_convolution(gm: fx.GraphModule, node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in _CONV_FUNCTIONS
 
 
-def _as_the_gpu_lays_it_out(gm: fx.GraphModule, node: fx.Node, args: Sequence[Any], result: Any) -> Any:
-    """``result`` of convolution ``node``, channels-last where its input or weight is (see
+def as_the_gpu_lays_it_out(gm: fx.GraphModule, node: fx.Node, args: Sequence[Any], result: Any) -> Any:
+    """``result`` of ``node``; of a convolution, channels-last where its input or weight is (see
     [Note: a convolution's layout as the GPU makes it])."""
+    if not _is_convolution(gm, node):
+        return result
     if not (isinstance(result, torch.Tensor) and result.dim() == 4) or _channels_last(result):
         return result
     weight = gm.get_submodule(str(node.target)).weight if node.op == "call_module" else \
@@ -81,7 +83,7 @@ class _Propagator(fx.Interpreter):
             result = super().run_node(n)
             if _is_convolution(self.module, n):
                 args, _ = self.fetch_args_kwargs_from_env(n)
-                result = _as_the_gpu_lays_it_out(self.module, n, args, result)
+                result = as_the_gpu_lays_it_out(self.module, n, args, result)
         except Exception as exc:  # name the node: the raw error rarely does
             where = n.meta.get(MODULE_KEY) or "the model's top level"
             raise TraceError(
