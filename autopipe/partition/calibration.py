@@ -65,8 +65,8 @@ from typing import Any
 from autopipe.errors import ConfigError
 from autopipe.partition.cost import FREE_KINDS, MATMUL_KINDS, NodeCost
 
-__all__ = ["Calibration", "class_of", "kernel_kind", "plain_class", "NHWC", "load_calibration", "CALIBRATION_DIR", "DIM_BOUNDS",
-           "BYTE_BOUNDS", "BYTE_LABELS", "BYTE_LIMITS"]
+__all__ = ["Calibration", "class_of", "kernel_kind", "plain_class", "load_calibration", "CALIBRATION_DIR", "DIM_BOUNDS",
+           "BYTE_BOUNDS", "BYTE_LABELS", "BYTE_LIMITS", "NHWC"]
 
 SCHEMA_VERSION = 1
 CALIBRATION_DIR = os.path.join(os.path.dirname(__file__), "calibration")

@@ -151,8 +151,8 @@ def _assemble(op: Op, work: Work, params: list[nn.Parameter]) -> NodeCost:
 
 
 def _channels_last_kernel(op: Op, work: Work) -> bool:
-    """Whether ``op`` runs a kernel of a layout-sensitive family on channels-last maps: its
-    first 4-D activation (or, for a convolution over a plain input, its weight) is channels-last."""
+    """Whether ``op`` runs a kernel of a layout-sensitive family on channels-last maps: its first
+    4-D activation is channels-last (its 4-D weight, where it reads no 4-D activation)."""
     if work.family not in LAYOUT_FAMILIES:
         return False
     maps = [t for t in op.activations if t.dim() == 4][:1] or [t for t in op.weights if t.dim() == 4][:1]
@@ -218,10 +218,7 @@ class _MetaPropagator(fx.Interpreter):
         return torch.func.functional_call(m, state, tuple(args), kwargs)
 
     def run_node(self, n: fx.Node) -> Any:
-        result = super().run_node(n)
-        if n.op in ("call_module", "call_function"):  # a convolution's layout as on the GPU
-            result = as_the_gpu_lays_it_out(self.module, n, self.fetch_args_kwargs_from_env(n)[0], result)
-        n.meta["val"] = to_meta(result)
+        n.meta["val"] = to_meta(as_the_gpu_lays_it_out(self, n, super().run_node(n)))
         return n.meta["val"]
 
 

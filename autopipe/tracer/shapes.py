@@ -43,13 +43,15 @@ def _is_convolution(gm: fx.GraphModule, node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in _CONV_FUNCTIONS
 
 
-def as_the_gpu_lays_it_out(gm: fx.GraphModule, node: fx.Node, args: Sequence[Any], result: Any) -> Any:
-    """``result`` of ``node``; of a convolution, channels-last where its input or weight is (see
-    [Note: a convolution's layout as the GPU makes it])."""
+def as_the_gpu_lays_it_out(interpreter: fx.Interpreter, node: fx.Node, result: Any) -> Any:
+    """``result`` of ``node`` as ``interpreter`` ran it; of a convolution, channels-last where its
+    input or weight is (see [Note: a convolution's layout as the GPU makes it])."""
+    gm = interpreter.module
     if not _is_convolution(gm, node):
         return result
     if not (isinstance(result, torch.Tensor) and result.dim() == 4) or _channels_last(result):
         return result
+    args, _ = interpreter.fetch_args_kwargs_from_env(node)
     weight = gm.get_submodule(str(node.target)).weight if node.op == "call_module" else \
         (args[1] if len(args) > 1 else None)
     if _channels_last(args[0] if args else None) or _channels_last(weight):
@@ -80,10 +82,7 @@ class _Propagator(fx.Interpreter):
 
     def run_node(self, n: fx.Node) -> Any:
         try:
-            result = super().run_node(n)
-            if _is_convolution(self.module, n):
-                args, _ = self.fetch_args_kwargs_from_env(n)
-                result = as_the_gpu_lays_it_out(self.module, n, args, result)
+            result = as_the_gpu_lays_it_out(self, n, super().run_node(n))
         except Exception as exc:  # name the node: the raw error rarely does
             where = n.meta.get(MODULE_KEY) or "the model's top level"
             raise TraceError(
