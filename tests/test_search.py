@@ -73,6 +73,30 @@ def test_transfer_overhead_is_paid_per_tensor_in_the_pipeline():
     assert taxed.parts["pipeline"] - base.parts["pipeline"] >= 4 * 2 * crossing * 1e-3 * 0.99
 
 
+def test_a_layout_is_built_where_the_search_priced_its_cuts():
+    # [Note: priced cuts]: parallelize's own plan may cut MLPs into pieces (other boundaries,
+    # three tensors each); the layout's arguments make the plan the search priced.
+    import inspect
+
+    from autopipe.planning import plan_pipeline
+
+    torch.manual_seed(0)
+    model, batch = timm_vit(depth=4), 16
+    result = plan_layout(model, devices=2, batch=batch, device="cpu", example_inputs=(torch.randn(1, 3, 32, 32),),
+                         mixed_precision=None, modes=("eager",), recompute_options=(False,),
+                         sequence_parallel=False, exact=10**6, timeline=False)
+    priced = next(p for p in result.ranked if str(p.layout) == "pp2 tp1 dp1 m1 v2 interleaved_1f1b eager")
+    wanted = set(inspect.signature(plan_pipeline).parameters)
+    kwargs = {k: v for k, v in priced.layout.parallelize_kwargs().items() if k in wanted}
+    example = (torch.randn(priced.layout.microbatch_size(batch), 3, 32, 32),)
+    pieces = plan_pipeline(model, example, profile="cpu", **{**kwargs, "split_mlps": True}).plan
+    assert pieces.mlp_pieces  # this model's plan would cut MLPs, were it let
+    plan = plan_pipeline(model, example, profile="cpu", **kwargs).plan
+    assert not plan.mlp_pieces
+    sizes = [len(stage.nodes) for stage in plan.stages]
+    assert [sum(sizes[:k]) for k in range(len(sizes))] == priced.starts
+
+
 def test_checkpointed_layouts_take_a_checkpointed_profile_and_rerun_the_collectives():
     from autopipe.measure import RunSetup, profile_graph
     from autopipe.search.predict import _node_seconds

@@ -2,6 +2,19 @@
 
 # N: devices (world size); B: global batch; pp x tp x dp = N; m: micro-batches per replica;
 # v: chunks per pipeline rank; b = B / dp / m: samples per micro-batch.
+
+[Note: priced cuts]
+The search cuts a layout's stages between whole nodes (predict.py) and prices each crossing by
+the tensors that cross it. ``parallelize`` by default may cut an MLP into pieces of its hidden
+units instead ([Note: MLP pieces]), wherever that balances the stages' compute better: the
+boundaries move, and a boundary inside an MLP carries three tensors (the residual, the MLP's
+input and the partial sum) where the search priced one or two. Each costs a pipeline rank its
+host time twice per micro-batch (activation and gradient), and an interleaved schedule with
+pp = 2 sends at every one of its 2v - 1 boundaries. ViT (depth 4, batch 16) pp2 m8 v2 on 2 CPU
+cores: priced crossings of 2, 1 and 1 tensors, run with 3, 3 and 3, 80 more tensors a step at
+about 225 us each end, about 18 ms a rank; the step measured 21 ms longer than predicted
+(results/2026-11-26-cpu-layout-choice-vit-collectives-counted-3.json). So a layout is built with
+``split_mlps=False``: it runs where it was priced.
 """
 from __future__ import annotations
 
@@ -34,11 +47,12 @@ class Layout:
         return batch // self.dp // self.microbatches
 
     def parallelize_kwargs(self) -> dict[str, Any]:
-        """The ``parallelize`` arguments that run this layout."""
+        """The ``parallelize`` arguments that run this layout as the search priced it (stage
+        boundaries between whole nodes: see [Note: priced cuts])."""
         return dict(pp=self.pp, tp=self.tp, microbatches=self.microbatches, chunks=self.chunks,
                     schedule=self.schedule, sequence_parallel=self.sequence_parallel,
                     activation_checkpointing=self.recompute, cuda_graphs=self.mode.endswith("graphs"),
-                    compile_stages=self.mode.startswith("compiled"))
+                    compile_stages=self.mode.startswith("compiled"), split_mlps=False)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
