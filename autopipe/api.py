@@ -112,7 +112,8 @@ def parallelize(
     ``split_mlps`` (tp=1, balance="cost") lets a stage boundary fall inside a large MLP when
     that balances the stages better: its hidden units are split between the two stages, held
     as ``<fc1>_piece<i>`` and ``<fc2>_piece<i>`` (see [Note: MLP pieces]); ``full_state_dict``
-    and checkpoints keep the model's own names. ``compile_stages=True`` compiles each stage's
+    and checkpoints keep the model's own names. ``pp="auto"`` turns it off, to run the stages
+    the search priced ([Note: priced cuts] in autopipe/search/layouts.py). ``compile_stages=True`` compiles each stage's
     graph with ``torch.compile`` (inductor fuses the norms, activations and casts between the
     GEMMs; the first step pays the compilation; see [Note: compiled stages]).
     ``batchnorm`` says what BatchNorm layers compute in train() (docs/batchnorm.md): "deferred"
@@ -155,10 +156,10 @@ def parallelize(
         search, chosen, example_inputs = _choose_layout(
             model, tuple(example_inputs), batch=batch, device=device, profile=profile, costs=costs,
             mixed_precision=mixed_precision, deadline=deadline)
-        pp, tp, microbatches, chunks = chosen.pp, chosen.tp, chosen.microbatches, chosen.chunks
-        schedule, sequence_parallel = chosen.schedule, chosen.sequence_parallel
-        activation_checkpointing = chosen.recompute
-        cuda_graphs, compile_stages = chosen.mode.endswith("graphs"), chosen.mode.startswith("compiled")
+        kw = chosen.parallelize_kwargs()  # run as priced: [Note: priced cuts] in search/layouts.py
+        pp, tp, microbatches, chunks, schedule = kw["pp"], kw["tp"], kw["microbatches"], kw["chunks"], kw["schedule"]
+        sequence_parallel, activation_checkpointing = kw["sequence_parallel"], kw["activation_checkpointing"]
+        cuda_graphs, compile_stages, split_mlps = kw["cuda_graphs"], kw["compile_stages"], kw["split_mlps"]
     elif batch is not None:
         raise ConfigError(f"batch={batch!r} is for pp='auto' (the global batch the layout is chosen for); with "
                           "pp given, example_inputs are one micro-batch")
