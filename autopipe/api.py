@@ -113,9 +113,10 @@ def parallelize(
     that balances the stages better: its hidden units are split between the two stages, held
     as ``<fc1>_piece<i>`` and ``<fc2>_piece<i>`` (see [Note: MLP pieces]); ``full_state_dict``
     and checkpoints keep the model's own names. ``pp="auto"`` turns it off, to run the stages
-    the search priced ([Note: priced cuts] in autopipe/search/layouts.py). ``compile_stages=True`` compiles each stage's
-    graph with ``torch.compile`` (inductor fuses the norms, activations and casts between the
-    GEMMs; the first step pays the compilation; see [Note: compiled stages]).
+    the search priced ([Note: priced cuts] in autopipe/search/layouts.py).
+    ``compile_stages=True`` compiles each stage's graph with ``torch.compile`` (inductor fuses
+    the norms, activations and casts between the GEMMs; the first step pays the compilation;
+    see [Note: compiled stages]).
     ``batchnorm`` says what BatchNorm layers compute in train() (docs/batchnorm.md): "deferred"
     (default) normalises each micro-batch with its own statistics and updates the running
     statistics once per ``train_step``, from the whole batch of every dp replica; "sync" also
