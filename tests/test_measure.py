@@ -441,11 +441,46 @@ def test_cli_profile_then_report_with_it(tmp_path, monkeypatch, capsys):
 
 
 # ------------------------------------------------------------------------------ timing passes
-def test_each_stage_keeps_its_fastest_pass(monkeypatch):
-    """[Note: timing passes]: the plan is timed ``passes`` times, each stage keeping the pass in
-    which it was fastest (forward and backward of one pass), node times from the first."""
+def test_each_stage_keeps_its_fastest_round(monkeypatch):
+    """[Note: timing passes]: every stage is prepared before the first timing, the rounds go
+    forwards and backwards in turn, and each stage keeps its fastest round (forward and backward
+    of one round); node times are read once, from stages still on the device."""
+    from autopipe.measure import timer
+
+    traced = _vit_traced()
+    plan = partition_at(traced, segment_starts(traced, 3, "cpu"), device="cpu")
+    made, calls = [], []
+    script = {0: [(3.0, 3.0), (1.0, 2.0), (2.0, 2.0)], 1: [(1.0, 1.0), (2.0, 2.0), (0.5, 2.0)],
+              2: [(5.0, 5.0), (4.0, 4.0), (6.0, 1.0)]}
+    init = timer._StageRun.__init__
+
+    def making(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    def timing(self, setup, *, warm_seconds):
+        i = made.index(self)
+        assert len(made) == 3  # all prepared before the first timing
+        calls.append((i, warm_seconds))
+        return timer.StageTiming(*script[i][sum(c[0] == i for c in calls) - 1])
+
+    monkeypatch.setattr(timer._StageRun, "__init__", making)
+    monkeypatch.setattr(timer._StageRun, "time", timing)
+    out = timer.time_stages(traced, plan, dataclasses.replace(CPU, passes=3), kernels=True)
+    assert [c[0] for c in calls] == [0, 1, 2, 2, 1, 0, 0, 1, 2]
+    assert all((w > 0) == (k < 3) for k, (_, w) in enumerate(calls))  # warmed by the clock in round 0 only
+    assert [(out[i].forward, out[i].backward) for i in range(3)] == [(1.0, 2.0), (1.0, 1.0), (6.0, 1.0)]
+    assert all(out[i].nodes.device and set(out[i].nodes.device) <= set(plan.stages[i].nodes) for i in range(3))
+
+
+def test_stages_that_do_not_fit_at_once_are_timed_one_at_a_time(monkeypatch):
+    """Out of memory with every stage on the device: the plan is timed ``passes`` times over,
+    one stage at a time, each stage keeping its fastest pass, node times from the first."""
     from autopipe.measure import timer
     from autopipe.measure.kernels import NodeTimes
+
+    def too_big(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
 
     nodes = NodeTimes(device={}, host={}, kernels={}, unattributed=(0.0, 0.0))
     passes = iter([{0: timer.StageTiming(3.0, 3.0, nodes), 1: timer.StageTiming(1.0, 1.0, nodes)},
@@ -457,6 +492,7 @@ def test_each_stage_keeps_its_fastest_pass(monkeypatch):
         seen.append(kernels)
         return next(passes)
 
+    monkeypatch.setattr(timer, "_time_rounds", too_big)
     monkeypatch.setattr(timer, "_time_pass", one_pass)
     out = timer.time_stages(None, type("P", (), {"num_stages": 2})(), dataclasses.replace(CPU, passes=3),
                             kernels=True)
@@ -480,16 +516,15 @@ def test_measure_options_set_the_passes(monkeypatch):
 
     traced = _vit_traced()
     seen = []
-    one_pass = timer._time_pass
+    rounds = timer._time_rounds
 
     def counting(traced, plan, setup, wanted, *, kernels):
         seen.append(setup.timing_passes)
-        return one_pass(traced, plan, setup, wanted, kernels=kernels)
+        return rounds(traced, plan, setup, wanted, kernels=kernels)
 
-    monkeypatch.setattr(timer, "_time_pass", counting)
+    monkeypatch.setattr(timer, "_time_rounds", counting)
     autopipe.measure.measured_plan(traced, CPU, dict(pp=2), options=MeasureOptions(passes=2, segments=2, cache=False,
                                                                                  rounds=0, moves=0))
-    assert seen and set(seen) == {2}
-    assert len(seen) % 2 == 0  # each timing ran twice
+    assert seen and set(seen) == {2}  # the profile's and the loop's timings, in rounds of two
     with pytest.raises(ProfileError, match="passes"):
         autopipe.measure.measured_plan(traced, CPU, dict(pp=2), options=MeasureOptions(passes=0, cache=False))

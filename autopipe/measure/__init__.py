@@ -42,8 +42,8 @@ class MeasureOptions:
     stage; the cut and the closed loop balance the scaled times, see [Note: stage scale]).
     ``pipeline_steps=n`` has ``parallelize`` find those factors itself first: it builds a
     stand-in pipeline of a copy of the model, records n steps of it, and cuts again.
-    ``passes`` times the whole plan that many times, each stage keeping its fastest (None: 3 for
-    stages at the host's pace, 1 otherwise; see [Note: timing passes])."""
+    ``passes`` times the plan's stages in that many rounds, each stage keeping its fastest (None:
+    5 for stages at the host's pace, 1 otherwise; see [Note: timing passes])."""
 
     segments: int | None = None
     reps: int = 10

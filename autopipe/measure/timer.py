@@ -26,14 +26,23 @@ others still run their forward to feed the next): ranks share the work this way.
 
 [Note: timing passes]
 A stage that runs at its host's pace (eager, or compiled without CUDA graphs) is timed at the
-pace its host keeps at the time. On a shared virtual machine that pace changes for seconds at
-a time: on the 16-core H200 host, five timings in a row of one plan of ResNet-50 in 8 stages at
-128 images, eager, host threads pinned, gave its last stage 6.29, 8.48, 4.45, 4.97 and 4.66 ms,
-while the first three stages (kernels over large maps, the GPU's pace) moved under 1%. A stage
-timed in a slow spell looks heavier than it is, and the cut moves work away from it. So such
-plans are timed ``PASSES`` times over, the whole plan each time (each pass seconds long), and
-each stage keeps its fastest pass: its time when the host keeps up, which is what the stages
-compare by. Stages at the GPU's pace (CUDA graphs) and CPU stages are timed once.
+pace its host keeps at the time. On a shared virtual machine that pace changes, for seconds at
+a time and within a second: on the 16-core H200 host, five timings in a row of one plan of
+ResNet-50 in 8 stages at 128 images, eager, host threads pinned, gave its last stage 6.29, 8.48,
+4.45, 4.97 and 4.66 ms, while the first three stages (kernels over large maps, the GPU's pace)
+moved under 1%. On an H100 host, one 8-stage plan of ConvNeXt-B at 32 images timed stage after
+stage (each stage emitted, copied to the device and warmed before its timing) read 5.2-6.4 ms
+for every stage in one pass and 9.1-10.0 ms for four of them in the pass before; in many passes
+the stages read slower the later they came. A stage timed in a slow spell looks heavier than it
+is, and the cut moves work away from it.
+So such plans are timed in ``PASSES`` rounds: every stage is prepared first and kept on the
+device, then each round times each stage in turn (``reps`` back to back after ``warmup``),
+odd rounds from the last stage back, and each stage keeps its fastest round: its time when the
+host keeps up, which is what the stages compare by. A round is a fraction of a second with no
+preparation between its stages, so a spell falls on neighbouring stages of one round and the
+other rounds time them again. Stages that do not fit the device at once (an out-of-memory
+error) are timed one at a time, the whole plan ``PASSES`` times over. Stages at the GPU's pace
+(CUDA graphs) and CPU stages are timed once, one at a time.
 """
 from __future__ import annotations
 
@@ -43,7 +52,7 @@ import itertools
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -65,7 +74,7 @@ from autopipe.tracer import TracedModel
 __all__ = ["RunSetup", "StageTiming", "time_stages", "device_name", "WARM_SECONDS", "PASSES"]
 
 WARM_SECONDS = 0.05  # warm-up passes run at least this long (and at least RunSetup.warmup of them)
-PASSES = 3  # timings of a plan whose stages run on the host's pace; see [Note: timing passes]
+PASSES = 5  # rounds of timings of a plan whose stages run at the host's pace; see [Note: timing passes]
 
 
 @dataclass(frozen=True)
@@ -78,7 +87,7 @@ class RunSetup:
     recompute: bool = False  # activation checkpointing
     warmup: int = 2
     reps: int = 10
-    passes: int | None = None  # timings of the whole plan, each stage keeping its fastest; None: PASSES
+    passes: int | None = None  # rounds of timings, each stage keeping its fastest; None: PASSES
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", torch.device(self.device))
@@ -135,8 +144,15 @@ def time_stages(traced: TracedModel, plan: PartitionPlan, setup: RunSetup,
         raise ProfileError(f"per-node kernel times cannot be read in mode {setup.mode!r}: compiled "
                            "kernels fuse several nodes")
     wanted = set(range(plan.num_stages) if indices is None else indices)
+    if setup.timing_passes == 1:
+        return _time_pass(traced, plan, setup, wanted, kernels=kernels)
+    try:
+        return _time_rounds(traced, plan, setup, wanted, kernels=kernels)
+    except torch.cuda.OutOfMemoryError:  # the stages do not fit the device at once: one at a time
+        gc.collect()
+        torch.cuda.empty_cache()
     best: dict[int, StageTiming] = {}
-    for n in range(setup.timing_passes):  # see [Note: timing passes]
+    for n in range(setup.timing_passes):
         for i, t in _time_pass(traced, plan, setup, wanted, kernels=kernels and n == 0).items():
             if i not in best or t.seconds < best[i].seconds:
                 best[i] = StageTiming(t.forward, t.backward, best[i].nodes if i in best else t.nodes)
@@ -145,32 +161,65 @@ def time_stages(traced: TracedModel, plan: PartitionPlan, setup: RunSetup,
 
 def _time_pass(traced: TracedModel, plan: PartitionPlan, setup: RunSetup, wanted: set[int], *,
                kernels: bool) -> dict[int, StageTiming]:
+    """Each wanted stage timed once, one stage on the device at a time."""
+    out: dict[int, StageTiming] = {}
+    for i, run in _stage_runs(traced, plan, setup, wanted):
+        with pinned_host_threads(setup.device):
+            out[i] = run.time(setup, warm_seconds=WARM_SECONDS)
+        if kernels:
+            out[i] = StageTiming(out[i].forward, out[i].backward, run.node_times(setup))
+        run.close()
+        del run  # before the next stage is made: one stage on the device at a time
+    return out
+
+
+def _time_rounds(traced: TracedModel, plan: PartitionPlan, setup: RunSetup, wanted: set[int], *,
+                 kernels: bool) -> dict[int, StageTiming]:
+    """Every wanted stage prepared at once and timed in rounds, each keeping its fastest round;
+    see [Note: timing passes]."""
+    runs = dict(_stage_runs(traced, plan, setup, wanted))
+    best: dict[int, StageTiming] = {}
+    try:
+        with pinned_host_threads(setup.device):
+            for r in range(setup.timing_passes):
+                for i in sorted(runs, reverse=r % 2 == 1):  # odd rounds backwards: no stage always last
+                    t = runs[i].time(setup, warm_seconds=WARM_SECONDS if r == 0 else 0.0)
+                    if i not in best or t.seconds < best[i].seconds:
+                        best[i] = t
+        if kernels:
+            best = {i: StageTiming(t.forward, t.backward, runs[i].node_times(setup)) for i, t in best.items()}
+    finally:
+        for run in runs.values():
+            run.close()
+    return best
+
+
+def _stage_runs(traced: TracedModel, plan: PartitionPlan, setup: RunSetup,
+                wanted: set[int]) -> Iterator[tuple[int, "_StageRun"]]:
+    """Each wanted stage, in order, prepared on the real outputs of the stages before it."""
     last_needed = max(wanted, default=-1)
     stages = emit_stages(traced, plan, range(last_needed + 1))
     layout = torch.channels_last if channels_last_model(traced.gm) else torch.contiguous_format
     inputs = _model_inputs(traced, setup.device, layout)
-    out: dict[int, StageTiming] = {}
     for i in range(last_needed + 1):
         last = i == plan.num_stages - 1
         if i in wanted:
-            stage = _prepare(stages.pop(i), setup, last=last)
-            grads = [i > 0 and x.is_floating_point() for x in inputs]
-            out[i], outputs = _time(stage, inputs, grads, setup)
-            if kernels:
-                nodes = node_times(stage, inputs, grads, setup.device, setup.compute_dtype,
-                                   reps=max(2, setup.reps // 3), recompute=setup.recompute)
-                out[i] = StageTiming(out[i].forward, out[i].backward, nodes)
+            run = _StageRun(_prepare(stages.pop(i), setup, last=last), inputs,
+                            [i > 0 and x.is_floating_point() for x in inputs], setup)
+            outputs = run.outputs
+            yield i, run
+            del run
         else:  # only feeds the next stage: eager, no gradients
             stage = _prepare(stages.pop(i), RunSetup(setup.device, "eager", setup.compute_dtype), last=last)
             with torch.no_grad():
                 outputs = stage(*inputs)
+            outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
+            del stage
         # What the next stage receives: a dense copy in the boundary's layout, as the pipeline's
         # receive buffers are (see [Note: boundary layout]).
         if i < plan.num_stages - 1:
             layouts = [boundary_layout(v) for v in boundary_values(traced, plan)[i]]
             inputs = tuple(_received(t.detach(), f) for t, f in zip(outputs, layouts, strict=True))
-        del stage
-    return out
 
 
 def _received(t: torch.Tensor, layout: torch.memory_format) -> torch.Tensor:
@@ -197,61 +246,66 @@ def _prepare(stage: nn.Module, setup: RunSetup, *, last: bool) -> nn.Module:
     return stage
 
 
-def _time(stage: nn.Module, inputs: Sequence[torch.Tensor], grads: Sequence[bool],
-          setup: RunSetup) -> tuple[StageTiming, tuple[torch.Tensor, ...]]:
-    """The stage's timing, and its outputs (of the last repetition) to feed the next stage."""
-    xs = [x.detach().requires_grad_(g) for x, g in zip(inputs, grads)]
-    graphs = None
-    if setup.mode.endswith("graphs"):
-        specs = [TensorSpec(tuple(x.shape), x.dtype, channels_last_dense(x)) for x in xs]
-        graphs = StageGraphs(stage, specs, grads, 1, setup.device)
-        graphs.prepare_grads()
-    seeds: list[torch.Tensor] | None = None
+class _StageRun:
+    """One prepared stage on its inputs, ready to be timed. The first forward and backward (which
+    compile and capture) run on construction, on the process's cores; ``outputs`` (detached)
+    feed the next stage."""
 
-    outputs: tuple[torch.Tensor, ...] = ()
+    def __init__(self, stage: nn.Module, inputs: Sequence[torch.Tensor], grads: Sequence[bool],
+                 setup: RunSetup) -> None:
+        self.stage, self.inputs, self.grads = stage, tuple(inputs), list(grads)
+        self.xs = [x.detach().requires_grad_(g) for x, g in zip(inputs, grads)]
+        self.graphs = None
+        if setup.mode.endswith("graphs"):
+            specs = [TensorSpec(tuple(x.shape), x.dtype, channels_last_dense(x)) for x in self.xs]
+            self.graphs = StageGraphs(stage, specs, grads, 1, setup.device)
+            self.graphs.prepare_grads()
+        self.seeds: list[torch.Tensor] | None = None
+        self._outputs: tuple[torch.Tensor, ...] = ()
+        self.clock = _Clock(setup.device)
+        self.backward(*self.forward())
 
-    def forward() -> tuple[Any, list[torch.Tensor]]:
-        nonlocal outputs
-        if graphs is not None:
-            slot, outs = graphs.forward(*xs)
+    @property
+    def outputs(self) -> tuple[torch.Tensor, ...]:
+        return tuple(o.detach() for o in self._outputs)
+
+    def forward(self) -> tuple[Any, list[torch.Tensor]]:
+        if self.graphs is not None:
+            slot, outs = self.graphs.forward(*self.xs)
         else:
-            slot, outs = None, stage(*xs)
-        outputs = (outs,) if isinstance(outs, torch.Tensor) else tuple(outs)
-        return slot, [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
+            slot, outs = None, self.stage(*self.xs)
+        self._outputs = (outs,) if isinstance(outs, torch.Tensor) else tuple(outs)
+        return slot, [o for o in self._outputs if isinstance(o, torch.Tensor) and o.requires_grad]
 
-    def backward(slot: Any, outs: list[torch.Tensor]) -> None:
-        nonlocal seeds
-        if seeds is None:
-            seeds = [torch.randn_like(o) for o in outs]
+    def backward(self, slot: Any, outs: list[torch.Tensor]) -> None:
+        if self.seeds is None:
+            self.seeds = [torch.randn_like(o) for o in outs]
         if outs:
-            torch.autograd.backward(outs, seeds)
-        if graphs is not None:
-            graphs.release(slot)
+            torch.autograd.backward(outs, self.seeds)
+        if self.graphs is not None:
+            self.graphs.release(slot)
 
-    clock = _Clock(setup.device)
-    # The first pass compiles and captures, on the process's cores; the rest run as the
-    # pipeline runs them, on the rank's core ([Note: host thread placement]).
-    backward(*forward())
-    fwd, bwd = [], []
-    with pinned_host_threads(setup.device):
-        # Warm for a while, not a count of passes: a GPU left idle (while the host emitted and
-        # captured this stage) clocks down, and a stage of a millisecond needs many passes to
-        # bring it back. No garbage collection inside the timed passes.
-        warm_until = time.perf_counter() + WARM_SECONDS
+    def time(self, setup: RunSetup, *, warm_seconds: float) -> StageTiming:
+        """Median forward and backward seconds of ``setup.reps`` back-to-back repetitions, after
+        ``setup.warmup`` untimed ones and at least ``warm_seconds`` of them: a GPU left idle (while
+        the host emitted and captured a stage) clocks down, and a stage of a millisecond needs many
+        passes to bring it back. No garbage collection inside the timed repetitions."""
+        clock, fwd, bwd = self.clock, [], []
+        warm_until = time.perf_counter() + warm_seconds
         for passes in itertools.count(1):
-            if passes >= setup.warmup:
+            if passes > setup.warmup:
                 clock.sync()
                 if time.perf_counter() >= warm_until:
                     break
-            backward(*forward())
+            self.backward(*self.forward())
         gc_was_enabled = gc.isenabled()
         gc.disable()
         try:
             for _ in range(setup.reps):
                 t0 = clock.mark()
-                slot, outs = forward()
+                slot, outs = self.forward()
                 t1 = clock.mark()
-                backward(slot, outs)
+                self.backward(slot, outs)
                 t2 = clock.mark()
                 fwd.append((t0, t1))
                 bwd.append((t1, t2))
@@ -259,11 +313,17 @@ def _time(stage: nn.Module, inputs: Sequence[torch.Tensor], grads: Sequence[bool
         finally:
             if gc_was_enabled:
                 gc.enable()
-    timing = StageTiming(statistics.median(clock.seconds(a, b) for a, b in fwd),
-                         statistics.median(clock.seconds(a, b) for a, b in bwd))
-    for p in stage.parameters():
-        p.grad = None
-    return timing, tuple(o.detach() for o in outputs)
+        return StageTiming(statistics.median(clock.seconds(a, b) for a, b in fwd),
+                           statistics.median(clock.seconds(a, b) for a, b in bwd))
+
+    def node_times(self, setup: RunSetup) -> NodeTimes:
+        """Each node's own times ([Note: node times from kernels])."""
+        return node_times(self.stage, self.inputs, self.grads, setup.device, setup.compute_dtype,
+                          reps=max(2, setup.reps // 3), recompute=setup.recompute)
+
+    def close(self) -> None:
+        for p in self.stage.parameters():
+            p.grad = None
 
 
 class _Clock:
