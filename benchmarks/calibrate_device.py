@@ -167,6 +167,31 @@ def refeature(nodes: list[dict], profile: str) -> None:
             row[direction]["kinds"] = dict(Counter(kernel_kind(cls) for cls, _ in kernels))
 
 
+def attach_boundaries(nodes: list[dict], segs: list[dict]) -> None:
+    """Each segment's ``boundary_bytes``: what crosses its cuts, inputs and outputs, in bf16 (the
+    rows' compute dtype), by this checkout's cut model ([Note: boundary copies])."""
+    import torch
+
+    from autopipe.models import default_input, load_model
+    from autopipe.partition.cost import graph_costs
+    from autopipe.partition.cuts import cut_dag
+    from autopipe.tracer import trace
+
+    runs: dict[tuple[str, int, bool], list[dict]] = defaultdict(list)
+    for s in segs:
+        runs[(s["model"], s["microbatch"], s.get("channels_last", False))].append(s)
+    for (name, mb, layout), run in runs.items():
+        model = load_model(name if ":" in name else f"timm:{name}")
+        traced = trace(*_laid_out(model, default_input(model, mb), layout))
+        cut = cut_dag(traced, graph_costs(traced.gm), torch.bfloat16).cut_bytes
+        order = [n.name for n in traced.gm.graph.nodes if n.op != "output"]
+        position = {n: i for i, n in enumerate(order)}
+        for s in run:
+            at = [position[nodes[k]["node"]] for k in s["nodes"]]
+            a, b = min(at), max(at) + 1
+            s["boundary_bytes"] = float((cut[a - 1] if a > 0 else 0) + (cut[b - 1] if b < len(order) else 0))
+
+
 def _kinds(d: dict) -> dict[str, int]:
     """The kernels a row's node launches, by kernel_kind (rows made before kinds were kept: all "*")."""
     return d.get("kinds") or ({"*": d["kernels"]} if d["kernels"] else {})
@@ -232,7 +257,8 @@ def _segment_prediction(nodes: list[dict], segs: list[dict], model: dict[str, An
         h = np.array(host if host is not None else model["host"])
         gpu = np.maximum(gpu, _kernels(nodes) * h[None, :])
     per_node = gpu.sum(axis=1)
-    return np.array([per_node[s["nodes"]].sum() for s in segs]) + model["overhead"][mode]
+    copies = model.get("boundary", {}).get(mode, 0.0) * np.array([s.get("boundary_bytes", 0.0) for s in segs])
+    return np.array([per_node[s["nodes"]].sum() for s in segs]) + copies + model["overhead"][mode]
 
 
 def fit(nodes: list[dict], segs: list[dict]) -> dict[str, Any]:
@@ -240,21 +266,36 @@ def fit(nodes: list[dict], segs: list[dict]) -> dict[str, Any]:
     kinds = sorted({k for row in nodes for d in ("fwd", "bwd") for k in _kinds(row[d])})
     sols = {d: _nnls_relative(*_design(nodes, d, classes, kinds), len(classes)) for d in ("fwd", "bwd")}
     model: dict[str, Any] = {"classes": classes, "kinds": kinds, "sols": sols,
-                             "overhead": {"graphs": 0.0, "eager": 0.0}}
-    # A stage's fixed cost (first launch, autograd's start): the median excess of a segment.
+                             "overhead": {"graphs": 0.0, "eager": 0.0}, "boundary": {"graphs": 0.0, "eager": 0.0}}
+    # The boundary copies' seconds per byte ([Note: boundary copies]): what a segment replayed as
+    # CUDA graphs takes beyond the measured kernel times of its nodes, as a fixed part plus a rate,
+    # the rate of least median error. Measured, not predicted, node times: the rate is the copies',
+    # and must not soak up the node model's errors (large maps, whose boundaries are large too).
+    # Eager stages copy nothing. Then a stage's fixed cost (first launch, autograd's start): the
+    # median excess of a segment over its predicted nodes and copies.
     measured = {m: np.array([s[m] for s in segs]) for m in ("graphs", "eager")}
-    model["overhead"]["graphs"] = max(float(np.median(measured["graphs"] - _segment_prediction(
-        nodes, segs, model, "graphs"))), 0.0)
-    best, best_err = (0.0, 0.0), float("inf")
+    nbytes = np.array([s.get("boundary_bytes", 0.0) for s in segs])
+    kernels = np.array([[r["fwd"]["device"] + r["bwd"]["device"]] for r in nodes]).sum(axis=1)
+    excess = measured["graphs"] - np.array([kernels[s["nodes"]].sum() for s in segs])
+    model["boundary"]["graphs"] = min(
+        (0.0, *(1.0 / np.geomspace(3e13, 1e11, 50))),
+        key=lambda rate: float(np.median(np.abs(excess - rate * nbytes - np.median(excess - rate * nbytes)))))
     gpu = _gpu(nodes, model)
+
+    def unfixed(mode: str, host: tuple[float, float] | None = None) -> np.ndarray:
+        """Predicted segment seconds without a stage's fixed cost."""
+        return _segment_prediction(nodes, segs, dict(model, overhead={"graphs": 0.0, "eager": 0.0}), mode, host, gpu)
+
+    model["overhead"]["graphs"] = max(float(np.median(measured["graphs"] - unfixed("graphs"))), 0.0)
+    best, best_err = (0.0, 0.0), float("inf")
     for h in np.geomspace(1e-6, 1e-4, 60):
         for ratio in (1.0, 1.5, 2.0, 3.0):
             host = (float(h), float(h * ratio))
-            pred = _segment_prediction(nodes, segs, model, "eager", host, gpu) - model["overhead"]["eager"]
-            excess = max(float(np.median(measured["eager"] - pred)), 0.0)
-            err = float(np.median(np.abs(pred + excess - measured["eager"]) / measured["eager"]))
+            pred = unfixed("eager", host)
+            fixed = max(float(np.median(measured["eager"] - pred)), 0.0)
+            err = float(np.median(np.abs(pred + fixed - measured["eager"]) / measured["eager"]))
             if err < best_err:
-                best, best_err, model["overhead"]["eager"] = host, err, excess
+                best, best_err, model["overhead"]["eager"] = host, err, fixed
     model["host"] = best
     model["factors"] = {c: (float(sols["fwd"][i]), float(sols["bwd"][i])) for i, c in enumerate(classes)}
     n = len(classes)
@@ -314,7 +355,7 @@ def report(nodes: list[dict], segs: list[dict], meta: dict[str, Any]) -> dict[st
     return {
         "schema": 1, "device": meta["device"], "launch": model["launch"], "launches": model["launches"],
         "host": model["host"],
-        "factors": model["factors"], "stage": model["overhead"],
+        "factors": model["factors"], "stage": model["overhead"], "boundary": model["boundary"],
         "fit": {"made_by": "benchmarks/calibrate_device.py", "dtype": meta["dtype"], "torch": meta["torch"],
                 "date": meta["date"], "models": meta["models"], "microbatches": meta["microbatches"],
                 "layouts": meta.get("layouts", ["contiguous"]),
@@ -368,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--name {args.name!r} is not a device profile; one of {sorted(PROFILES)}")
     if not args.stored_features:
         refeature(nodes, args.name)
+    attach_boundaries(nodes, segs)
     table = report(nodes, segs, meta)
     from autopipe.partition.calibration import CALIBRATION_DIR
 

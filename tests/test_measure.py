@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -356,6 +357,56 @@ def test_a_calibrated_profile_prices_launches_by_mode():
     assert DeviceProfile.from_json(json.loads(json.dumps(graphs.to_json()))) == graphs
     with pytest.raises(ConfigError, match="execution mode 'fast'"):
         profile.with_mode("fast")
+
+
+def test_a_cut_costs_the_stages_beside_it_their_boundary_copies():
+    """[Note: boundary copies]: replayed stages pay the table's seconds per byte of what crosses
+    each of their cuts, as compute, and the balancer sees it; a mode without a rate pays none."""
+    from autopipe.partition.cuts import cut_dag
+
+    traced = _vit_traced(batch=8)
+    cal = Calibration("gpu", {}, launch=(1e-6, 1e-6), host=(0.0, 0.0), boundary={"graphs": 1e-9})
+    profile = DeviceProfile("p", 1e12, 1e11, 1e11, 1e9, 1e-5, 5e-6, calibration=cal)
+    cut = cut_dag(traced, graph_costs(traced.gm), torch.bfloat16).cut_bytes
+    starts = [0, 12, 30]
+    plans = {m: partition_at(traced, starts, device=profile.with_mode(m), activation_dtype=torch.bfloat16)
+             for m in ("graphs", "eager")}
+    copies = [cut[11], cut[11] + cut[29], cut[29]]
+    for stage, nbytes in zip(range(3), copies):
+        graphs, eager = plans["graphs"].stages[stage], plans["eager"].stages[stage]
+        assert nbytes > 0
+        assert graphs.compute_time - eager.compute_time == pytest.approx(1e-9 * nbytes)
+        assert graphs.cost - eager.cost == pytest.approx(1e-9 * nbytes)
+    with pytest.raises(ConfigError, match="boundary"):
+        Calibration.from_dict(dict(json.loads(cal.to_json()), boundary={"graphs": -1.0}))
+    assert Calibration.from_dict(json.loads(cal.to_json())) == cal
+
+
+def test_the_fit_finds_the_boundary_copies_rate():
+    """calibrate_device.fit recovers a segment's fixed cost and its seconds per boundary byte
+    from rows whose segments take their nodes' time plus both."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import calibrate_device
+
+    rng = np.random.default_rng(0)
+    nodes, segs = [], []
+    for k in range(40):
+        t = float(rng.uniform(50e-6, 500e-6))
+        row = {"model": "m", "microbatch": 32, "node": f"n{k}"}
+        for d in ("fwd", "bwd"):
+            row[d] = {"features": {"gemm/64": t}, "kernels": 1, "kinds": {"gemm": 1}, "device": t, "host": 0.0}
+        nodes.append(row)
+    for k in range(20):
+        nbytes = float(rng.uniform(1e6, 4e8))
+        own = sum(2 * nodes[i]["fwd"]["device"] for i in (2 * k, 2 * k + 1))
+        segs.append({"model": "m", "microbatch": 32, "nodes": [2 * k, 2 * k + 1], "boundary_bytes": nbytes,
+                     "graphs": own + 90e-6 + nbytes / 0.8e12, "eager": own + 300e-6})
+    model = calibrate_device.fit(nodes, segs)
+    assert model["boundary"]["graphs"] == pytest.approx(1 / 0.8e12, rel=0.1)
+    assert model["overhead"]["graphs"] == pytest.approx(90e-6, rel=0.3)
+    assert model["boundary"]["eager"] == 0.0
 
 
 def test_a_calibration_prices_the_launch_of_each_kind_of_kernel():

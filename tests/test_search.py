@@ -73,6 +73,24 @@ def test_transfer_overhead_is_paid_per_tensor_in_the_pipeline():
     assert taxed.parts["pipeline"] - base.parts["pipeline"] >= 4 * 2 * crossing * 1e-3 * 0.99
 
 
+def test_replayed_stages_pay_their_boundary_copies():
+    """[Note: boundary copies]: with CUDA graphs each stage beside a cut spends the table's
+    seconds per byte of it; eager stages do not; and the balancer sees the copies."""
+    graph = GraphCosts(_vit_graph(), 2)
+    plain = _pricing(8)
+    cal = dataclasses.replace(plain.profile.calibration, boundary={"graphs": 1e-9})
+    copying = dataclasses.replace(plain, profile=dataclasses.replace(plain.profile, calibration=cal))
+    for mode, paid in (("graphs", True), ("eager", False)):
+        layout = Layout(2, 1, 1, 4, 1, "1f1b", False, False, mode)
+        cuts: dict = {}  # the same cuts for both (the copies would move them)
+        base, taxed = predict(graph, layout, plain, cuts=cuts), predict(graph, layout, copying, cuts=cuts)
+        nbytes = float(graph.cut_bytes_ref[base.starts[1] - 1]) * plain.activation_bytes
+        extra = [t - b for t, b in zip(taxed.stage_seconds, base.stage_seconds)]
+        assert extra == pytest.approx([1e-9 * nbytes] * 2 if paid else [0.0, 0.0], rel=0.01, abs=1e-12)
+    layout = Layout(2, 1, 1, 4, 1, "1f1b", False, False, "graphs")
+    assert predict(graph, layout, copying).starts != predict(graph, layout, plain).starts
+
+
 def test_a_layout_is_built_where_the_search_priced_its_cuts():
     # [Note: priced cuts]: parallelize's own plan may cut MLPs into pieces (other boundaries,
     # three tensors each); the layout's arguments make the plan the search priced.

@@ -49,6 +49,21 @@ class of such a kernel (``NodeCost.channels_last``) carries the layout after its
 both layouts keeps a factor and a launch time for each. A table that has no factor for a
 channels-last class (fitted on NCHW rows alone) prices it as the NCHW class of the same shape.
 
+[Note: boundary copies]
+A stage replayed as CUDA graphs copies what crosses its boundaries on the device, outside any
+node: its inputs into the graph's static buffers and its outputs out of them (forward), its
+outputs' gradients in and its inputs' gradients out (backward; runtime/graphs.py): four
+copies of every boundary byte, each read and written. On an H100, what a segment of a profile
+takes beyond the measured kernel times of its nodes is 87 us plus a byte of its inputs and
+outputs per 0.77 TB/s (median residual 31 us over 448 segments of seven models at 32 and 128
+images, against 80 us around the median). At 128 images a cut after ResNet-50's layer1
+carries 205 MB (bf16): about 0.27 ms on each stage beside it, more than a stage's fixed cost.
+So a table keeps, per execution mode, seconds per boundary byte (``boundary``), fitted on that
+excess over measured kernel times (so that it does not soak up the node model's own errors),
+and the partitioner and the layout search add them to both stages beside each cut
+(partition/transfers.py, ``boundary_copy_seconds``). Eager stages hand their tensors over as
+they are: no rate.
+
 The factors are fitted by ``benchmarks/calibrate_device.py`` from the measured forward and
 backward kernel times of every node of real models (non-negative least squares on relative
 error; see that script), and kept as data beside this module (``calibration/<device>.json``)
@@ -130,6 +145,8 @@ class Calibration:
     stage: dict[str, float] = field(default_factory=dict)  # execution mode -> a stage's fixed seconds
     fit: dict[str, Any] = field(default_factory=dict)  # how it was made and its error
     launches: dict[str, tuple[float, float]] = field(default_factory=dict)  # kernel_kind -> (fwd, bwd) seconds
+    # execution mode -> device seconds per byte crossing a stage's boundaries ([Note: boundary copies])
+    boundary: dict[str, float] = field(default_factory=dict)
     schema: int = SCHEMA_VERSION
 
     def gpu_time(self, cost: NodeCost, *, compute: float, bandwidth: float, backward: bool) -> float:
@@ -171,9 +188,12 @@ class Calibration:
             launches = {str(k): (float(v[0]), float(v[1])) for k, v in data.get("launches", {}).items()}
             if not all(math.isfinite(x) and x >= 0 for v in launches.values() for x in v):
                 raise ValueError("negative or non-finite launch times")
+            boundary = {str(k): float(v) for k, v in data.get("boundary", {}).items()}
+            if not all(math.isfinite(v) and v >= 0 for v in boundary.values()):
+                raise ValueError("negative or non-finite boundary seconds per byte")
             return cls(str(data["device"]), factors, tuple(map(float, data["launch"])),
                        tuple(map(float, data["host"])), {str(k): float(v) for k, v in data.get("stage", {}).items()},
-                       dict(data.get("fit", {})), launches)
+                       dict(data.get("fit", {})), launches, boundary)
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise ConfigError(f"not a calibration table: {exc}") from exc
 

@@ -22,7 +22,7 @@ from .cuts import allowed_cuts, cut_dag, layer_groups, split_positions
 from .device import DeviceProfile, get_profile
 from .measured import MeasuredCosts, fingerprint
 from .plan import CutTensor, PartitionPlan, StagePlan
-from .transfers import cut_latency_seconds, cut_seconds, tp_collective_seconds
+from .transfers import boundary_copy_seconds, cut_latency_seconds, cut_seconds, tp_collective_seconds
 
 __all__ = ["partition", "partition_at", "analytic_seconds", "BALANCE_MODES"]
 
@@ -189,7 +189,10 @@ def _partition(
     # See [Note: communication in the stage cost].
     cut_bytes = [int(b) for b in dag.cut_bytes[: len(order) - 1]]
     cut_time = [cut_seconds(b, profile) for b in cut_bytes]
-    cut_latency = [cut_latency_seconds(b, profile) for b in cut_bytes]
+    # The device copies of what crosses a cut ([Note: boundary copies] in calibration.py): work
+    # on each stage beside it that no node owns. A measured profile's stage cost holds its own.
+    copies = [boundary_copy_seconds(b, profile) if measured is None else 0.0 for b in cut_bytes]
+    cut_latency = [cut_latency_seconds(b, profile) + c for b, c in zip(cut_bytes, copies)]
     allowed = allowed_cuts(nodes, gm)
     if sum(allowed) + 1 < n_stages:
         raise PartitionError(
@@ -213,7 +216,8 @@ def _partition(
         starts, mode = _solve(balance, n_stages, nodes, traced, compute, cut_time, cut_latency, mem, mem_cap,
                               allowed, overhead, [costs[n].param_count for n in order])
 
-    times = balancer.overlapped_stage_times(compute, starts, cut_time, cut_latency, overhead)
+    times = _copies_as_compute(balancer.overlapped_stage_times(compute, starts, cut_time, cut_latency, overhead),
+                               starts, copies)
     if stage_scale is not None:  # as the stages run in the pipeline: see [Note: stage scale]
         times = [balancer.StageTime(t.compute * f, t.comm, t.latency, max(t.compute * f, t.comm) + t.latency)
                  for t, f in zip(times, stage_scale)]
@@ -226,6 +230,18 @@ def _partition(
     plan.cost_source = _cost_source(profile, measured)
     plan.floor = balancer.least_imbalance(compute, n_stages, stage_overhead=overhead, allowed_cuts=allowed)
     return plan
+
+
+def _copies_as_compute(times: list[balancer.StageTime], starts: Sequence[int],
+                       copies: Sequence[float]) -> list[balancer.StageTime]:
+    """The stages' times with their boundary copies (balanced as latency, which overlap does not
+    hide) moved to their compute, where the device spends them; ``cost`` is unchanged."""
+    ends = list(starts[1:]) + [len(copies) + 1]
+    out = []
+    for t, i, j in zip(times, starts, ends):
+        c = (copies[i - 1] if i > 0 else 0.0) + (copies[j - 1] if j <= len(copies) else 0.0)
+        out.append(balancer.StageTime(t.compute + c, t.comm, t.latency - c, t.cost))
+    return out
 
 
 def _solve(balance: str | Sequence[str], n_stages: int, nodes: list[fx.Node], traced: TracedModel,

@@ -9,7 +9,7 @@ from ..shard.collectives import BY_FUNCTION
 from .cost import NodeCost
 from .device import DeviceProfile
 
-__all__ = ["cut_seconds", "cut_latency_seconds", "tp_collective_seconds"]
+__all__ = ["cut_seconds", "cut_latency_seconds", "boundary_copy_seconds", "tp_collective_seconds"]
 
 
 # [Note: communication in the stage cost]
@@ -44,6 +44,14 @@ def cut_seconds(nbytes: float, profile: DeviceProfile) -> float:
 def cut_latency_seconds(nbytes: float, profile: DeviceProfile) -> float:
     """Latency a cut adds to each stage beside it: two transfers (activations, gradients)."""
     return 2.0 * profile.link_latency if nbytes > 0 else 0.0
+
+
+def boundary_copy_seconds(nbytes: float, profile: DeviceProfile) -> float:
+    """Device seconds a cut of ``nbytes`` adds to each stage beside it by the copies its mode
+    makes of them ([Note: boundary copies] in calibration.py); 0 without a calibration."""
+    cal = profile.calibration
+    mode = "graphs" if profile.mode.endswith("graphs") else "eager"  # replayed or not
+    return float(nbytes) * cal.boundary.get(mode, 0.0) if cal is not None else 0.0
 
 
 def tp_collective_seconds(node: fx.Node, cost: NodeCost, tp: int, profile: DeviceProfile) -> float:

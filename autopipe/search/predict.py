@@ -32,6 +32,7 @@ import numpy as np
 
 from autopipe.partition import balance as balancer
 from autopipe.partition.device import DeviceProfile
+from autopipe.partition.transfers import boundary_copy_seconds
 from autopipe.runtime.schedule import max_in_flight_bound
 
 from .costs import GraphCosts
@@ -39,7 +40,7 @@ from .layouts import Layout
 from .links import LinkModel
 from .replay import replay
 
-__all__ = ["Prediction", "predict", "Pricing", "stage_overhead"]
+__all__ = ["Prediction", "predict", "Pricing", "stage_overhead", "boundary_copy_rate"]
 
 FRAGMENTATION = 1.10
 NORM_OPS_PER_TENSOR = 10  # a tensor's norm is one kernel; its AdamW update about ten (single-tensor path)
@@ -101,6 +102,14 @@ def stage_overhead(pricing: Pricing, layout: Layout, graph: GraphCosts, size: in
     return cal.stage.get(layout.mode.replace("compiled+", "").replace("compiled", "graphs"), 0.0) if cal else 0.0
 
 
+def boundary_copy_rate(pricing: Pricing, layout: Layout, graph: GraphCosts, size: int) -> float:
+    """Seconds per byte crossing a cut that each stage beside it spends copying it ([Note:
+    boundary copies] in partition/calibration.py); a measured profile's stage cost holds its own."""
+    if graph.measured_for(size) is not None:
+        return 0.0
+    return boundary_copy_seconds(1.0, pricing.profile.with_mode(layout.mode))
+
+
 def predict(graph: GraphCosts, layout: Layout, pricing: Pricing, *, timeline: bool = False,
             cuts: dict[tuple, list[int]] | None = None) -> Prediction:
     """Price ``layout`` on ``graph`` (its tp-sharded graph); see [Note: step prediction].
@@ -111,6 +120,7 @@ def predict(graph: GraphCosts, layout: Layout, pricing: Pricing, *, timeline: bo
     cut_bytes = graph.cut_bytes_ref * ratio * pricing.activation_bytes
     stages = layout.pp * layout.chunks
     overhead = stage_overhead(pricing, layout, graph, size)
+    copies = cut_bytes * boundary_copy_rate(pricing, layout, graph, size)
     compute = fwd + bwd
     link = pricing.links
 
@@ -118,7 +128,7 @@ def predict(graph: GraphCosts, layout: Layout, pricing: Pricing, *, timeline: bo
         if stages == 1:
             return [0]
         cut_time = cut_bytes / link.p2p_bandwidth
-        cut_latency = np.where(cut_bytes > 0, 2 * link.p2p_latency, 0.0)
+        cut_latency = np.where(cut_bytes > 0, 2 * link.p2p_latency, 0.0) + copies
         return balancer.solve_overlapped(compute, stages, cut_time=cut_time, cut_latency=cut_latency,
                                          allowed_cuts=graph.allowed, stage_overhead=overhead)
 
@@ -129,8 +139,10 @@ def predict(graph: GraphCosts, layout: Layout, pricing: Pricing, *, timeline: bo
     starts = cuts[key]
     ends = starts[1:] + [len(compute)]
     f_prefix, b_prefix = np.concatenate(([0.0], np.cumsum(fwd))), np.concatenate(([0.0], np.cumsum(bwd)))
-    stage_f = [float(f_prefix[j] - f_prefix[i]) + overhead / 2 for i, j in zip(starts, ends)]
-    stage_b = [float(b_prefix[j] - b_prefix[i]) + overhead / 2 for i, j in zip(starts, ends)]
+    copied = [(float(copies[i - 1]) if i > 0 else 0.0) + (float(copies[j - 1]) if j < len(compute) else 0.0)
+              for i, j in zip(starts, ends)]  # half in the forward, half in the backward
+    stage_f = [float(f_prefix[j] - f_prefix[i]) + (overhead + c) / 2 for i, j, c in zip(starts, ends, copied)]
+    stage_b = [float(b_prefix[j] - b_prefix[i]) + (overhead + c) / 2 for i, j, c in zip(starts, ends, copied)]
     sends = [link.p2p(float(cut_bytes[j - 1])) if j < len(compute) else 0.0 for j in ends]
     grads = [link.p2p(float(cut_bytes[i - 1])) if i > 0 else 0.0 for i in starts]
     per_transfer = pricing.transfer_overhead
