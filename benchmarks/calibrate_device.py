@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODELS = ["resnet50", "resnet152", "convnext_base", "swin_base_patch4_window7_224", "vit_base_patch16_224",
           "vit_large_patch16_224", "efficientnet_b0"]
 MICROBATCHES = (32, 128)
-PRIOR_WEIGHT = 0.01  # pull of each factor towards the median factor, against the rows
+PRIOR_WEIGHT = 0.001  # pull of each factor towards the median factor, against the rows
 WEIGHT_POWER = 0.5  # rows weighted by 1 / measured ** this
 
 
@@ -201,7 +201,8 @@ def _design(rows: list[dict], direction: str, classes: list[str], kinds: list[st
     """(A, measured): A[row, class] roofline seconds, then a column per kernel kind: the
     kernels of that kind the model launches."""
     index = {c: i for i, c in enumerate(classes)}
-    index.update({k: len(classes) + i for i, k in enumerate(kinds)})
+    # Kinds apart from classes: "attention" names both a class and its kind.
+    kind_index = {k: len(classes) + i for i, k in enumerate(kinds)}
     a = np.zeros((len(rows), len(classes) + len(kinds)))
     y = np.zeros(len(rows))
     for r, row in enumerate(rows):
@@ -210,8 +211,8 @@ def _design(rows: list[dict], direction: str, classes: list[str], kinds: list[st
             if cls in index:
                 a[r, index[cls]] += seconds
         for kind, count in _kinds(d).items():
-            if kind in index:
-                a[r, index[kind]] += count
+            if kind in kind_index:
+                a[r, kind_index[kind]] += count
         y[r] = d["device"]
     return a, y
 
@@ -257,8 +258,32 @@ def _segment_prediction(nodes: list[dict], segs: list[dict], model: dict[str, An
         h = np.array(host if host is not None else model["host"])
         gpu = np.maximum(gpu, _kernels(nodes) * h[None, :])
     per_node = gpu.sum(axis=1)
-    copies = model.get("boundary", {}).get(mode, 0.0) * np.array([s.get("boundary_bytes", 0.0) for s in segs])
-    return np.array([per_node[s["nodes"]].sum() for s in segs]) + copies + model["overhead"][mode]
+    copies = model.get("boundary", {}).get(mode, 0.0) * _boundary_bytes(segs)
+    gaps = model.get("gap", {}).get(mode, 0.0) * _launches(nodes, segs)
+    return np.array([per_node[s["nodes"]].sum() for s in segs]) + copies + gaps + model["overhead"][mode]
+
+
+def _boundary_bytes(segs: list[dict]) -> np.ndarray:
+    return np.array([s.get("boundary_bytes", 0.0) for s in segs])
+
+
+def _launches(nodes: list[dict], segs: list[dict]) -> np.ndarray:
+    """The kernels the cost model says each segment launches, forward and backward."""
+    per_node = _kernels(nodes).sum(axis=1)
+    return np.array([per_node[s["nodes"]].sum() for s in segs])
+
+
+def _excess_terms(excess: np.ndarray, measured: np.ndarray, nbytes: np.ndarray,
+                  launches: np.ndarray) -> tuple[float, float, float]:
+    """(seconds per stage, per boundary byte, per launched kernel) that best explain ``excess``."""
+    from scipy.optimize import least_squares
+
+    a = np.stack([np.ones_like(nbytes), nbytes, launches], axis=1) * np.array([1e-4, 1e-12, 1e-6])
+    scale = np.sqrt(measured)
+    spread = float(np.median(np.abs(excess) / scale)) or 1.0
+    sol = least_squares(lambda p: (a @ p - excess) / scale, np.ones(3), loss="soft_l1", f_scale=spread,
+                        bounds=(0.0, np.inf)).x * np.array([1e-4, 1e-12, 1e-6])
+    return float(sol[0]), float(sol[1]), float(sol[2])
 
 
 def fit(nodes: list[dict], segs: list[dict]) -> dict[str, Any]:
@@ -267,26 +292,22 @@ def fit(nodes: list[dict], segs: list[dict]) -> dict[str, Any]:
     sols = {d: _nnls_relative(*_design(nodes, d, classes, kinds), len(classes)) for d in ("fwd", "bwd")}
     model: dict[str, Any] = {"classes": classes, "kinds": kinds, "sols": sols,
                              "overhead": {"graphs": 0.0, "eager": 0.0}, "boundary": {"graphs": 0.0, "eager": 0.0}}
-    # The boundary copies' seconds per byte ([Note: boundary copies]): what a segment replayed as
-    # CUDA graphs takes beyond the measured kernel times of its nodes, as a fixed part plus a rate,
-    # the rate of least median error. Measured, not predicted, node times: the rate is the copies',
-    # and must not soak up the node model's errors (large maps, whose boundaries are large too).
-    # Eager stages copy nothing. Then a stage's fixed cost (first launch, autograd's start): the
-    # median excess of a segment over its predicted nodes and copies.
+    # What a segment replayed as CUDA graphs takes beyond the measured kernel times of its nodes:
+    # a stage's fixed cost (first launch, autograd's start), its boundary copies ([Note: boundary
+    # copies]) and the gaps between its kernels ([Note: replay gaps]), fitted together (robust
+    # least squares, relative error). Measured, not predicted, node times: these terms must not
+    # soak up the node model's own errors. Eager stages copy nothing and pay their host instead.
     measured = {m: np.array([s[m] for s in segs]) for m in ("graphs", "eager")}
-    nbytes = np.array([s.get("boundary_bytes", 0.0) for s in segs])
-    kernels = np.array([[r["fwd"]["device"] + r["bwd"]["device"]] for r in nodes]).sum(axis=1)
+    kernels = np.array([r["fwd"]["device"] + r["bwd"]["device"] for r in nodes])
     excess = measured["graphs"] - np.array([kernels[s["nodes"]].sum() for s in segs])
-    model["boundary"]["graphs"] = min(
-        (0.0, *(1.0 / np.geomspace(3e13, 1e11, 50))),
-        key=lambda rate: float(np.median(np.abs(excess - rate * nbytes - np.median(excess - rate * nbytes)))))
+    fixed, rate, gap = _excess_terms(excess, measured["graphs"], _boundary_bytes(segs), _launches(nodes, segs))
+    model["overhead"]["graphs"], model["boundary"]["graphs"], model["gap"] = fixed, rate, {"graphs": gap}
     gpu = _gpu(nodes, model)
 
     def unfixed(mode: str, host: tuple[float, float] | None = None) -> np.ndarray:
         """Predicted segment seconds without a stage's fixed cost."""
         return _segment_prediction(nodes, segs, dict(model, overhead={"graphs": 0.0, "eager": 0.0}), mode, host, gpu)
 
-    model["overhead"]["graphs"] = max(float(np.median(measured["graphs"] - unfixed("graphs"))), 0.0)
     best, best_err = (0.0, 0.0), float("inf")
     for h in np.geomspace(1e-6, 1e-4, 60):
         for ratio in (1.0, 1.5, 2.0, 3.0):
@@ -355,7 +376,7 @@ def report(nodes: list[dict], segs: list[dict], meta: dict[str, Any]) -> dict[st
     return {
         "schema": 1, "device": meta["device"], "launch": model["launch"], "launches": model["launches"],
         "host": model["host"],
-        "factors": model["factors"], "stage": model["overhead"], "boundary": model["boundary"],
+        "factors": model["factors"], "stage": model["overhead"], "boundary": model["boundary"], "gap": model["gap"],
         "fit": {"made_by": "benchmarks/calibrate_device.py", "dtype": meta["dtype"], "torch": meta["torch"],
                 "date": meta["date"], "models": meta["models"], "microbatches": meta["microbatches"],
                 "layouts": meta.get("layouts", ["contiguous"]),

@@ -1,6 +1,7 @@
 """Where a profile's node times and the stages of a plan disagree, node by node (GPU).
 
     python benchmarks/node_times_in_stages.py --model convnext_base --microbatch 128 --pp 8
+    python benchmarks/node_times_in_stages.py --model resnet50 --microbatch 32 --plans analytic --channels-last
 
 Profiles the model (graphs mode by default, bf16 autocast), cuts it into ``pp`` stages by that
 profile, times every stage with each node's own kernel times, and prints per stage: the
@@ -23,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from autopipe.measure import RunSetup, profile_graph  # noqa: E402
 from autopipe.measure.timer import device_name, time_stages  # noqa: E402
 from autopipe.models import default_input, load_model  # noqa: E402
+from autopipe.partition.cost import graph_costs  # noqa: E402
 from autopipe.partition.device import PROFILES, gpu_profile_name  # noqa: E402
 from autopipe.stages import plan_stages  # noqa: E402
 from autopipe.tracer import trace  # noqa: E402
@@ -35,30 +37,50 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pp", type=int, default=8)
     parser.add_argument("--mode", default="graphs", choices=["graphs", "eager"])
     parser.add_argument("--top", type=int, default=4, help="nodes shown per stage")
+    parser.add_argument("--plans", default="measured", choices=["measured", "analytic"],
+                        help="cut by a profile of the model, or by the device's calibrated analytic model")
+    parser.add_argument("--channels-last", action="store_true", help="model and input channels-last")
     args = parser.parse_args(argv)
     model = load_model(f"timm:{args.model}")
-    traced = trace(model, (default_input(model, args.microbatch),))
+    example = default_input(model, args.microbatch)
+    if args.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+        example = example.contiguous(memory_format=torch.channels_last)
+    traced = trace(model, (example,))
     setup = RunSetup(torch.device("cuda"), args.mode, torch.bfloat16, reps=10)
-    profile = profile_graph(traced, setup)
     gpu = PROFILES[gpu_profile_name(device_name(setup.device))].with_mode(args.mode)
+    profile = profile_graph(traced, setup) if args.plans == "measured" else None
     plan = plan_stages(traced, args.pp, 1, device=gpu, measured=profile, activation_dtype=torch.bfloat16,
                        microbatches=2 * args.pp, split_mlps=False)
     timed = time_stages(traced, plan, setup, kernels=True)
-    order = [n.name for n in traced.gm.graph.nodes]
-    print(f"{device_name(setup.device)}: {args.model}, {args.microbatch} images, {args.mode}; profile segments start at",
-          [order[s.start] for s in profile.segments])
+    print(f"{device_name(setup.device)}: {args.model}, {args.microbatch} images, {args.mode}, {args.plans} plan"
+          + (", channels-last" if args.channels_last else ""))
+    if profile is not None:
+        order = [n.name for n in traced.gm.graph.nodes]
+        print("profile segments start at", [order[s.start] for s in profile.segments])
+    costs = graph_costs(traced.gm)
     for i, stage in enumerate(plan.stages):
-        inside = {n: sum(v) for n, v in timed[i].nodes.device.items()}
-        profiled = sum(profile.node_seconds.get(n, 0.0) for n in stage.nodes)
-        print(f"stage {i} {stage.nodes[0]}..{stage.nodes[-1]}: profile {profiled * 1e3:.2f} ms "
-              f"(+{profile.stage_overhead * 1e3:.2f} per stage), timed {timed[i].seconds * 1e3:.2f}, "
-              f"kernels in stage {sum(inside.values()) * 1e3:.2f}")
-        worst = sorted(stage.nodes, key=lambda n: -abs(profile.node_seconds.get(n, 0.0) - inside.get(n, 0.0)))
-        for n in worst[:args.top]:
-            detail = profile.node_detail.get(n, [0.0, 0.0])
-            print(f"    {n:40s} {(profile.node_seconds.get(n, 0.0) - inside.get(n, 0.0)) * 1e3:+8.3f} "
-                  f"in stage {inside.get(n, 0.0) * 1e3:7.3f}  profile fwd {detail[0] * 1e3:.3f} bwd {detail[1] * 1e3:.3f}")
+        _print_stage(i, stage, timed[i], profile, gpu, costs, args.top)
     return 0
+
+
+def _print_stage(i: int, stage, timing, profile, gpu, costs, top: int) -> None:
+    """One stage: what it was priced at, timed at, and what its nodes' kernels took inside it; then
+    the ``top`` nodes whose price differs most from their kernels (ms)."""
+    inside = {n: sum(v) for n, v in timing.nodes.device.items()}
+    if profile is not None:
+        priced = {n: profile.node_seconds.get(n, 0.0) for n in stage.nodes}
+    else:
+        priced = {n: gpu.node_time(costs[n]) + gpu.node_time(costs[n], backward=True) for n in stage.nodes}
+    spare = timing.nodes.unattributed
+    print(f"stage {i} {stage.nodes[0]}..{stage.nodes[-1]}: priced {stage.compute_time * 1e3:.2f} ms "
+          f"(nodes {sum(priced.values()) * 1e3:.2f}), timed {timing.seconds * 1e3:.2f}, "
+          f"kernels in stage {sum(inside.values()) * 1e3:.2f}, unattributed fwd {spare[0] * 1e3:.3f} "
+          f"bwd {spare[1] * 1e3:.3f}")
+    for n in sorted(stage.nodes, key=lambda n: -abs(priced[n] - inside.get(n, 0.0)))[:top]:
+        fwd, bwd = timing.nodes.device.get(n, (0.0, 0.0))
+        print(f"    {n:40s} priced - in stage {(priced[n] - inside.get(n, 0.0)) * 1e3:+8.3f}  "
+              f"in stage fwd {fwd * 1e3:.3f} bwd {bwd * 1e3:.3f}")
 
 
 if __name__ == "__main__":

@@ -393,20 +393,83 @@ def test_the_fit_finds_the_boundary_copies_rate():
     rng = np.random.default_rng(0)
     nodes, segs = [], []
     for k in range(40):
-        t = float(rng.uniform(50e-6, 500e-6))
+        t, launched = float(rng.uniform(50e-6, 500e-6)), int(rng.integers(1, 400))
         row = {"model": "m", "microbatch": 32, "node": f"n{k}"}
         for d in ("fwd", "bwd"):
-            row[d] = {"features": {"gemm/64": t}, "kernels": 1, "kinds": {"gemm": 1}, "device": t, "host": 0.0}
+            row[d] = {"features": {"gemm/64": t}, "kernels": launched, "kinds": {"gemm": launched}, "device": t,
+                      "host": 0.0}
         nodes.append(row)
     for k in range(20):
         nbytes = float(rng.uniform(1e6, 4e8))
         own = sum(2 * nodes[i]["fwd"]["device"] for i in (2 * k, 2 * k + 1))
+        launches = sum(2 * nodes[i]["fwd"]["kernels"] for i in (2 * k, 2 * k + 1))
         segs.append({"model": "m", "microbatch": 32, "nodes": [2 * k, 2 * k + 1], "boundary_bytes": nbytes,
-                     "graphs": own + 90e-6 + nbytes / 0.8e12, "eager": own + 300e-6})
+                     "graphs": own + 90e-6 + nbytes / 0.8e12 + 0.5e-6 * launches, "eager": own + 300e-6})
     model = calibrate_device.fit(nodes, segs)
     assert model["boundary"]["graphs"] == pytest.approx(1 / 0.8e12, rel=0.1)
     assert model["overhead"]["graphs"] == pytest.approx(90e-6, rel=0.3)
+    assert model["gap"]["graphs"] == pytest.approx(0.5e-6, rel=0.1)
     assert model["boundary"]["eager"] == 0.0
+
+
+def test_the_fit_keeps_a_kind_apart_from_the_class_of_the_same_name():
+    """"attention" names a class and its kind: the roofline seconds of the one and the kernels
+    of the other are separate columns, so the class's factor is the rows' own."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import calibrate_device
+
+    rng = np.random.default_rng(1)
+    nodes = []
+    for k in range(30):
+        t = float(rng.uniform(20e-6, 900e-6))
+        row = {"model": "m", "microbatch": 32, "node": f"n{k}"}
+        for d, factor in (("fwd", 2.0), ("bwd", 1.5)):
+            row[d] = {"features": {"attention": t}, "kernels": 1, "kinds": {"attention": 1}, "device": factor * t,
+                      "host": 0.0}
+        nodes.append(row)
+    segs = [{"model": "m", "microbatch": 32, "nodes": [k], "graphs": 2 * nodes[k]["fwd"]["device"],
+             "eager": 2 * nodes[k]["fwd"]["device"]} for k in range(30)]
+    model = calibrate_device.fit(nodes, segs)
+    assert model["factors"]["attention"] == pytest.approx((2.0, 1.5), rel=0.02)
+    assert calibrate_device._gpu(nodes, model)[:, 0] == pytest.approx([r["fwd"]["device"] for r in nodes], rel=0.03)
+
+
+def test_a_thin_convolution_keeps_a_factor_for_its_compute_side():
+    """A patch embedding over 3 channels (compute-bound in the roofline) has its own factor, a
+    memory-bound stem the class's; each kernel takes the larger of the two sides."""
+    from autopipe.partition.calibration import FLOPS, kernel_features, split_by_bound
+
+    base = DeviceProfile("p", 1e12, 1e11, 1e11, 1e9, 1e-5, 5e-6)
+    patch = next(c for c in graph_costs(trace(nn.Conv2d(3, 256, 16, 16), (torch.randn(8, 3, 64, 64),)).gm).values()
+                 if c.family == "conv")
+    stem = next(c for c in graph_costs(trace(nn.Conv2d(3, 8, 3, padding=1), (torch.randn(8, 3, 64, 64),)).gm).values()
+                if c.family == "conv")
+    assert split_by_bound(class_of(patch)) and class_of(patch) == "conv/4"
+    assert [name for name, _ in kernel_features(patch, base, backward=False)] == ["conv/4" + FLOPS]
+    assert [name for name, _ in kernel_features(stem, base, backward=False)] == ["conv/4"]
+    cal = Calibration("gpu", {"conv/4": (4.0, 4.0), "conv/4" + FLOPS: (20.0, 5.0)}, launch=(0.0, 0.0),
+                      host=(0.0, 0.0))
+    profile = dataclasses.replace(base, calibration=cal).with_mode("graphs")
+    for cost in (patch, stem):
+        compute, memory = cost.fwd_flops / 1e12, cost.fwd_bytes / 1e11
+        assert profile.node_time(cost) == pytest.approx(max(20.0 * compute, 4.0 * memory))
+    assert not split_by_bound("gemm/4") and not split_by_bound("conv/64")
+
+
+def test_a_replayed_stage_pays_the_gap_after_each_kernel():
+    cal = Calibration("gpu", {"gemm/>1024": (1.0, 1.0)}, launch=(0.0, 0.0), host=(0.0, 0.0), gap={"graphs": 2e-6})
+    profile = DeviceProfile("p", 1e12, 1e11, 1e11, 1e9, 1e-5, 5e-6, calibration=cal)
+    gemm = next(c for c in graph_costs(trace(nn.Linear(2048, 2048), (torch.randn(64, 2048),)).gm).values()
+                if c.kind == "matmul")
+    roofline = max(gemm.fwd_flops / 1e12, gemm.fwd_bytes / 1e11)
+    assert profile.with_mode("graphs").node_time(gemm) == pytest.approx(roofline + 2e-6)
+    assert profile.with_mode("compiled+graphs").node_time(gemm) == pytest.approx(roofline + 2e-6)
+    assert profile.with_mode("eager").node_time(gemm) == pytest.approx(roofline)
+    assert Calibration.from_dict(json.loads(cal.to_json())) == cal
+    with pytest.raises(ConfigError, match="gaps between kernels"):
+        Calibration.from_dict(dict(json.loads(cal.to_json()), gap={"graphs": -1.0}))
 
 
 def test_a_calibration_prices_the_launch_of_each_kind_of_kernel():
@@ -579,3 +642,23 @@ def test_measure_options_set_the_passes(monkeypatch):
     assert seen and set(seen) == {2}  # the profile's and the loop's timings, in rounds of two
     with pytest.raises(ProfileError, match="passes"):
         autopipe.measure.measured_plan(traced, CPU, dict(pp=2), options=MeasureOptions(passes=0, cache=False))
+
+
+def test_indexing_with_a_tensor_is_a_gather_of_its_own_kind():
+    """Its backward scatter-adds after sorting the indices: a fixed cost the table keeps apart
+    from plain copies (Swin's relative position bias)."""
+    from autopipe.partition.calibration import kernel_kind
+
+    class Bias(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = nn.Parameter(torch.randn(169, 4))
+            self.register_buffer("index", torch.randint(0, 169, (49 * 49,)))
+
+        def forward(self, x):
+            return x + self.table[self.index].view(49, 49, 4).permute(2, 0, 1)
+
+    costs = graph_costs(trace(Bias(), (torch.randn(2, 4, 49, 49),)).gm)
+    gathers = [c for c in costs.values() if c.family == "gather"]
+    assert len(gathers) == 1 and kernel_kind(class_of(gathers[0])) == "copy:gather"
+    assert gathers[0].bwd_bytes > 0

@@ -466,6 +466,7 @@ def test_costs_priced_in_one_pass_equal_the_profiles_node_time():
 
     graph = GraphCosts(_vit_graph(), 2)
     for profile in (PROFILES["h100"].with_mode("eager"), PROFILES["h100"].with_mode("compiled"),
+                    PROFILES["h100"].with_mode("graphs"),
                     dataclasses.replace(PROFILES["h100"], calibration=None), PROFILES["cpu"]):
         for size in (2, 16):
             fwd, bwd = graph.node_times(size, profile)

@@ -49,6 +49,22 @@ class of such a kernel (``NodeCost.channels_last``) carries the layout after its
 both layouts keeps a factor and a launch time for each. A table that has no factor for a
 channels-last class (fitted on NCHW rows alone) prices it as the NCHW class of the same shape.
 
+[Note: bound by what]
+A convolution over 3 input channels (a stem, a patch embedding) runs far below both peaks, and
+by how much depends on which side binds: on an H100 the memory-bound stems of ResNet, ConvNeXt
+and EfficientNet take 3-5x their roofline, ViT's 16x16 patch embedding (compute-bound in the
+roofline: 7.4 GFLOP over 32 images) 20x, 288 us forward against 79 us from the stems' one
+factor. So such a class (``split_by_bound``) keeps a second factor for the compute side
+("conv-nhwc/4:flops"), fitted on the rows the roofline calls compute-bound, and a kernel of it
+takes max(compute x that factor, bytes x the class's factor): monotone in both. Any other class
+has no compute factor of its own and prices as f x max(compute, bytes).
+
+[Note: replay gaps]
+A stage replayed as a CUDA graph still leaves the GPU idle between two of its kernels, about
+0.5 us on an H100, which no kernel's duration holds: on the hundreds of small kernels of a Swin
+or ViT stage it adds up. A table keeps it per execution mode (``gap``), fitted with a stage's
+fixed cost and its boundary copies on what a segment takes beyond its measured kernels.
+
 [Note: boundary copies]
 A stage replayed as CUDA graphs copies what crosses its boundaries on the device, outside any
 node: its inputs into the graph's static buffers and its outputs out of them (forward), its
@@ -81,12 +97,13 @@ from autopipe.errors import ConfigError
 from autopipe.partition.cost import FREE_KINDS, MATMUL_KINDS, NodeCost
 
 __all__ = ["Calibration", "class_of", "kernel_kind", "plain_class", "load_calibration", "CALIBRATION_DIR", "DIM_BOUNDS",
-           "BYTE_BOUNDS", "BYTE_LABELS", "BYTE_LIMITS", "NHWC"]
+           "BYTE_BOUNDS", "BYTE_LABELS", "BYTE_LIMITS", "NHWC", "FLOPS", "split_by_bound"]
 
 SCHEMA_VERSION = 1
 CALIBRATION_DIR = os.path.join(os.path.dirname(__file__), "calibration")
 DIM_BOUNDS = (4, 16, 32, 64, 128, 256, 512, 1024)
 NHWC = "-nhwc"  # the layout mark of a channels-last kernel's class
+FLOPS = ":flops"  # the mark of a class's compute-bound factor ([Note: bound by what])
 BYTE_BOUNDS = tuple(2**18 * 4**i for i in range(5))  # 256 KiB, 1 MiB, 4 MiB, 16 MiB, 64 MiB
 
 
@@ -122,6 +139,12 @@ def class_of(cost: NodeCost, *, backward: bool = False) -> str:
     return f"{kind}{layout}/{_bucket(nbytes, BYTE_BOUNDS, _bytes_label)}"
 
 
+def split_by_bound(name: str) -> bool:
+    """Whether class ``name`` keeps a factor for its compute-bound kernels apart from its
+    memory-bound ones ([Note: bound by what]): convolutions over the thinnest inputs."""
+    return name.startswith("conv") and name.endswith(f"/{DIM_BOUNDS[0]}")
+
+
 def plain_class(name: str) -> str:
     """The NCHW class of the same kernel shape ("conv-nhwc/64" -> "conv/64"): what a table with
     no channels-last rows prices a channels-last kernel by."""
@@ -147,6 +170,8 @@ class Calibration:
     launches: dict[str, tuple[float, float]] = field(default_factory=dict)  # kernel_kind -> (fwd, bwd) seconds
     # execution mode -> device seconds per byte crossing a stage's boundaries ([Note: boundary copies])
     boundary: dict[str, float] = field(default_factory=dict)
+    # execution mode -> device seconds between two kernels of a replayed stage ([Note: replay gaps])
+    gap: dict[str, float] = field(default_factory=dict)
     schema: int = SCHEMA_VERSION
 
     def gpu_time(self, cost: NodeCost, *, compute: float, bandwidth: float, backward: bool) -> float:
@@ -155,8 +180,9 @@ class Calibration:
         nbytes = cost.bwd_bytes if backward else cost.fwd_bytes
         name = class_of(cost, backward=backward)
         prefix, _, bucket = name.rpartition("/")
-        if not bucket.endswith("iB"):  # a class by shape: one factor
-            return max(compute, nbytes / bandwidth) * self.factor(name, backward) + self.launch_time(name, backward)
+        if not bucket.endswith("iB"):  # a class by shape: see [Note: bound by what]
+            return max(compute * self.flops_factor(name, backward), nbytes / bandwidth * self.factor(name, backward)) \
+                + self.launch_time(name, backward)
         top = BYTE_LABELS.index(bucket)
         seconds = max(self.factor(f"{prefix}/{BYTE_LABELS[j]}", backward)
                       * max(compute, min(nbytes, BYTE_LIMITS[j]) / bandwidth) for j in range(top + 1))
@@ -172,6 +198,16 @@ class Calibration:
         takes its NCHW class's, and a class the fit never saw at all 1."""
         pair = self.factors.get(name) or self.factors.get(plain_class(name))
         return pair[int(backward)] if pair is not None else 1.0
+
+    def flops_factor(self, name: str, backward: bool) -> float:
+        """The multiplier of the compute side of class ``name``'s roofline: its own where the fit
+        kept one ([Note: bound by what]), else the class's."""
+        pair = self.factors.get(name + FLOPS) or self.factors.get(plain_class(name) + FLOPS)
+        return pair[int(backward)] if pair is not None else self.factor(name, backward)
+
+    def gap_time(self, mode: str) -> float:
+        """The device seconds between two kernels a stage replays in ``mode`` ([Note: replay gaps])."""
+        return self.gap.get("graphs", 0.0) if mode.endswith("graphs") else 0.0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True)
@@ -189,11 +225,12 @@ class Calibration:
             if not all(math.isfinite(x) and x >= 0 for v in launches.values() for x in v):
                 raise ValueError("negative or non-finite launch times")
             boundary = {str(k): float(v) for k, v in data.get("boundary", {}).items()}
-            if not all(math.isfinite(v) and v >= 0 for v in boundary.values()):
-                raise ValueError("negative or non-finite boundary seconds per byte")
+            gap = {str(k): float(v) for k, v in data.get("gap", {}).items()}
+            if not all(math.isfinite(v) and v >= 0 for v in (*boundary.values(), *gap.values())):
+                raise ValueError("negative or non-finite boundary seconds per byte or gaps between kernels")
             return cls(str(data["device"]), factors, tuple(map(float, data["launch"])),
                        tuple(map(float, data["host"])), {str(k): float(v) for k, v in data.get("stage", {}).items()},
-                       dict(data.get("fit", {})), launches, boundary)
+                       dict(data.get("fit", {})), launches, boundary, gap)
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise ConfigError(f"not a calibration table: {exc}") from exc
 
@@ -229,7 +266,11 @@ def kernel_features(cost: NodeCost, profile: Any, *, backward: bool) -> list[tup
     for k in launched(cost):
         seconds = base.node_time(k, backward=backward)
         if seconds > 0:
-            out.append((class_of(k, backward=backward), seconds - base.op_overhead))
+            name = class_of(k, backward=backward)
+            flops, nbytes = (k.bwd_flops, k.bwd_bytes) if backward else (k.fwd_flops, k.fwd_bytes)
+            if split_by_bound(name) and flops / base.matmul_flops > nbytes / base.mem_bandwidth:
+                name += FLOPS
+            out.append((name, seconds - base.op_overhead))
     return out
 
 

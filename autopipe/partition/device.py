@@ -75,7 +75,7 @@ class DeviceProfile:
         if self.mode.startswith("compiled") and c.kind not in MATMUL_KINDS:
             # See [Note: compiled pricing]: the memory-bound kernels between GEMMs fuse.
             gpu, host = gpu * COMPILED_FUSION, host * COMPILED_FUSION
-        return max(gpu, host) if self.mode in ("eager", "compiled") else gpu
+        return max(gpu, host) if self.mode in ("eager", "compiled") else gpu + self.calibration.gap_time(self.mode)
 
     def with_mode(self, mode: str) -> DeviceProfile:
         """This profile for stages run in ``mode`` (one of EXECUTION_MODES)."""

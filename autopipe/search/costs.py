@@ -134,6 +134,8 @@ class GraphCosts:
                     seconds, host = seconds * fused, host * fused
                 if profile.mode in ("eager", "compiled"):
                     seconds = np.maximum(seconds, host)
+                else:
+                    seconds = seconds + cal.gap_time(profile.mode)
             seconds = np.where((flops > 0) | (nbytes > 0), seconds, 0.0)
             out.append(np.bincount(k.node, weights=seconds, minlength=len(self.costs)))
         fwd, bwd = out
@@ -160,7 +162,8 @@ class GraphCosts:
         seconds = np.zeros(len(nbytes))
         for i, (fixed, prefix) in enumerate(zip(k.fixed_class, k.prefix)):
             if fixed:
-                seconds[i] = max(compute[i], nbytes[i] / bandwidth) * cal.factor(fixed, bool(direction))
+                seconds[i] = max(compute[i] * cal.flops_factor(fixed, bool(direction)),
+                                 nbytes[i] / bandwidth * cal.factor(fixed, bool(direction)))
                 continue
             seconds[i] = max(cal.factor(f"{prefix}/{BYTE_LABELS[j]}", bool(direction))
                              * max(compute[i], min(nbytes[i], BYTE_LIMITS[j]) / bandwidth)
