@@ -560,3 +560,41 @@ def test_measure_node_times_on_meta_model(route):
     assert all(t >= 0 for t in times.values())
     assert all(times[name] > 0 for name, c in costs.items() if c.kind == "matmul")
     assert all(p.is_meta for p in gm.parameters())  # the caller's graph is left alone
+
+
+def test_a_broadcast_operand_that_learns_makes_its_op_a_family_apart():
+    """[Note: broadcast operands]: its backward sums the gradient over the broadcast dims."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gamma = nn.Parameter(torch.ones(8))
+            self.register_buffer("mask", torch.ones(8))
+            self.gate = nn.Conv2d(8, 8, 1)
+
+        def forward(self, x):
+            scaled = x * self.gamma.reshape(1, -1, 1, 1)  # layer scale: learns
+            masked = scaled + self.mask.reshape(1, -1, 1, 1)  # a buffer: no gradient
+            gated = masked * torch.sigmoid(self.gate(x.mean((2, 3), keepdim=True)))  # squeeze-excite
+            return gated + x * x + x * 2.0  # same shapes, and a Python scalar
+
+    from autopipe.tracer import trace
+
+    gm = trace(Net(), (torch.randn(2, 8, 4, 4),)).gm
+    costs = graph_costs(gm)
+    families = {n.name: costs[n.name].family for n in gm.graph.nodes
+                if n.op == "call_function" and n.target in (operator.mul, operator.add)}
+    assert [f for f in families.values()] == ["broadcast", "", "broadcast", "", "", "", ""], families
+
+
+def test_softmax_and_roll_are_kernel_families_of_their_own():
+    from autopipe.partition.calibration import class_of
+    from autopipe.tracer import trace
+
+    class Net(nn.Module):
+        def forward(self, x):
+            return torch.roll(x, shifts=1, dims=1).softmax(-1) + x.clone()
+
+    costs = graph_costs(trace(Net(), (torch.randn(2, 8, 8),)).gm)
+    classes = sorted(class_of(c).split("/")[0] for c in costs.values() if c.kind not in ("view", "none"))
+    assert classes == ["copy", "copy:roll", "elementwise", "elementwise:softmax"], classes

@@ -27,7 +27,7 @@ from autopipe.partition.balance import least_imbalance
 from autopipe.partition.cuts import cut_candidates
 from autopipe.partition.partitioner import partition_at
 from autopipe.measure.kernels import node_times
-from autopipe.partition.calibration import Calibration, class_of, load_calibration, plain_class
+from autopipe.partition.calibration import Calibration, class_of, kernel_kind, load_calibration, plain_class
 from autopipe.partition.cost import graph_costs
 from autopipe.partition.device import PROFILES, DeviceProfile
 from autopipe.partition.measured import MeasuredCosts, Segment, fingerprint, spread
@@ -305,7 +305,7 @@ def _layout_probe(channels_last: bool, **trace_kwargs) -> dict:
     model = nn.Sequential(nn.Conv2d(3, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(), block,
                           nn.Conv2d(64, 64, 3, padding=1, groups=64), nn.MaxPool2d(2), nn.Flatten(),
                           nn.Linear(64 * 16 * 16, 10))
-    x = torch.randn(2, 3, 32, 32)
+    x = torch.randn(8, 3, 32, 32)  # 8192 rows a channel: not a short reduction
     if channels_last:
         model, x = model.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
     costs = graph_costs(trace(model, (x,), **trace_kwargs).gm)
@@ -324,6 +324,26 @@ def test_a_channels_last_kernel_has_a_class_of_its_own():
     assert "nhwc" not in nhwc["_7"][0]  # the linear layer
     block = _layout_probe(True, leaf_modules=[_ConvBlock])["_3"]  # a composite: conv, norm and ReLU inside
     assert block[:2] == ["conv-nhwc/64", "norm:batch-nhwc/64ch"], block
+
+
+def test_a_batch_norm_over_few_rows_is_a_kind_of_its_own():
+    """[Note: short reductions]: a channels-last batch norm over 7x7 maps of 32 images (1568
+    rows) has a class and a launch time of its own; over 128 images, or in NCHW, it has not."""
+    def norm_class(images: int, channels_last: bool = True) -> str:
+        model, x = nn.Sequential(nn.BatchNorm2d(512)), torch.randn(images, 512, 7, 7)
+        if channels_last:
+            model, x = model.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
+        (cost,) = [c for c in graph_costs(trace(model, (x,)).gm).values() if c.family == "batch"]
+        return class_of(cost)
+
+    assert norm_class(32) == "norm:batch-nhwc:short/512ch" and kernel_kind(norm_class(32)) == "norm:batch-nhwc:short"
+    assert norm_class(128) == "norm:batch-nhwc/512ch" and norm_class(32, channels_last=False) == "norm:batch/512ch"
+    table = Calibration("gpu", {}, launch=(0.0, 0.0), host=(0.0, 0.0), launches={"norm:batch-nhwc:short": (30e-6, 20e-6)})
+    profile = dataclasses.replace(PROFILES["h100"], calibration=table, mode="graphs")
+    model = nn.Sequential(nn.BatchNorm2d(512)).to(memory_format=torch.channels_last)
+    x = torch.randn(32, 512, 7, 7).contiguous(memory_format=torch.channels_last)
+    (cost,) = [c for c in graph_costs(trace(model, (x,)).gm).values() if c.family == "batch"]
+    assert profile.node_time(cost) >= 30e-6 and profile.node_time(cost, backward=True) >= 20e-6
 
 
 def test_a_table_without_channels_last_rows_prices_them_as_nchw():

@@ -145,8 +145,9 @@ def _assemble(op: Op, work: Work, params: list[nn.Parameter]) -> NodeCost:
         return NodeCost(float(work.flops), 0.0, float(reads + out_bytes), 0.0,
                         param_count, param_bytes, 0, out_bytes, work.kind, **shape)
     bwd_flops = work.bwd_flops if work.bwd_flops is not None else _BWD_RATIO.get(work.kind, 1.0) * work.flops
-    return NodeCost(float(work.flops), float(bwd_flops), float(reads + out_bytes),
-                    float(out_bytes + reads + work.saved), param_count, param_bytes,
+    bwd_bytes = work.bwd_bytes if work.bwd_bytes is not None else out_bytes + reads + work.saved
+    fwd_flops, fwd_bytes = (0.0, 0.0) if work.fwd_free else (float(work.flops), float(reads + out_bytes))
+    return NodeCost(fwd_flops, float(bwd_flops), fwd_bytes, float(bwd_bytes), param_count, param_bytes,
                     int(work.saved), out_bytes, work.kind, **shape)
 
 

@@ -16,8 +16,8 @@ from torch.utils import _pytree as pytree
 
 from autopipe.graph import tensor_bytes, tensor_values, value_of
 
-__all__ = ["Op", "Work", "Rule", "STAT_BYTES", "DEFAULT"] + [
-    "view", "getitem", "maybe_copy", "copy", "matmul", "einsum", "conv", "sdpa", "native_mha", "norm", "elementwise",
+__all__ = ["Op", "Work", "Rule", "STAT_BYTES", "BROADCAST", "DEFAULT"] + [
+    "view", "maybe_copy", "copy", "matmul", "einsum", "conv", "sdpa", "native_mha", "norm", "elementwise",
     "dropout", "embedding", "pool", "reduction", "linear_module", "mha_module"]
 
 STAT_BYTES = 4  # norm statistics are fp32 whatever the activation dtype
@@ -64,6 +64,8 @@ class Work:
     reads: float | None = None  # None: every activation and weight is read once
     family: str = ""
     min_dim: int = 0
+    fwd_free: bool = False  # launches nothing forward: a view whose backward copies
+    bwd_bytes: float | None = None  # None: by [Note: cost conventions]; 0 with no bwd_flops: no kernel
 
 
 Rule = Callable[[Op], Work]
@@ -74,7 +76,9 @@ def view(op: Op) -> Work:
 
 
 def copy(op: Op) -> Work:
-    return Work("copy")
+    # clone passes its gradient through. roll computes each element's source index, forward and
+    # backward: about 3x a plain copy's time per byte on an H100 (Swin's shifted windows).
+    return Work("copy", bwd_bytes=0.0 if op.name == "clone" else None, family="roll" if op.name == "roll" else "")
 
 
 def maybe_copy(op: Op) -> Work:
@@ -83,15 +87,10 @@ def maybe_copy(op: Op) -> Work:
     # is channels-last, and permuting it back gives a contiguous tensor).
     x, y = (op.activations[0] if op.activations else None), op.out_tensor
     same = x is not None and (x.shape, x.stride(), x.dtype, x.device) == (y.shape, y.stride(), y.dtype, y.device)
-    return Work("view" if same else "copy")
-
-
-def getitem(op: Op) -> Work:
-    # Slicing is a view; indexing with a tensor gathers into a new tensor.
-    # Its backward scatter-adds (sorting the indices first on a GPU): a fixed cost of its own,
-    # 0.4 ms for Swin's relative position bias on an H100, hence a family apart.
-    index = op.arg(1, "idx")
-    return Work("copy", family="gather") if any(True for _ in tensor_values(index)) else Work("view")
+    if same:
+        return Work("view")
+    # contiguous() passes its gradient through; a cast casts it back.
+    return Work("copy", bwd_bytes=0.0 if op.name == "contiguous" else None)
 
 
 def _tensor_operands(node: fx.Node) -> int:
@@ -100,8 +99,9 @@ def _tensor_operands(node: fx.Node) -> int:
                if isinstance(a, fx.Node) and isinstance(value_of(a), torch.Tensor))
 
 
-def elementwise(flops_per_element: float = 1.0, saves: str = "inputs") -> Rule:
-    """saves: "inputs" (floating inputs), "output", "operands" (both, if two tensors), "none"."""
+def elementwise(flops_per_element: float = 1.0, saves: str = "inputs", family: str = "") -> Rule:
+    """saves: "inputs" (floating inputs), "output", "operands" (both, if two tensors), "none".
+    family: the kernel's, where it is not a plain elementwise one ("softmax": a row reduction)."""
 
     def rule(op: Op) -> Work:
         out = op.out_tensor
@@ -111,9 +111,48 @@ def elementwise(flops_per_element: float = 1.0, saves: str = "inputs") -> Rule:
             "operands": lambda: op.floating_bytes() if _tensor_operands(op.node) >= 2 else 0,
             "none": lambda: 0,
         }[saves]()
-        return Work("elementwise", flops_per_element * out.numel(), saved=saved)
+        kernel = BROADCAST if _broadcast_with_gradient(op.node, out) else family
+        return Work("elementwise", flops_per_element * out.numel(), saved=saved, family=kernel)
 
     return rule
+
+
+# [Note: broadcast operands]
+# An elementwise op whose smaller operand is broadcast over its output and learns (ConvNeXt's
+# layer scale ``x * gamma``, EfficientNet's squeeze-excite gate, ViT's position embedding, Swin's
+# relative position bias) sums its gradient over the broadcast dims in backward: a reduction
+# over the whole output, not an elementwise kernel. On an H100 ConvNeXt-B's layer scales take
+# 180 us backward at 128 images against 30 us priced as elementwise. Such an op is a family of
+# its own (BROADCAST: "elementwise:broadcast/64MiB"), fitted apart. An operand that gets no
+# gradient (a buffer, a constant, the model's input; Swin's attention mask) does not count.
+BROADCAST = "broadcast"
+
+
+def _broadcast_with_gradient(node: fx.Node, out: torch.Tensor) -> bool:
+    for arg in node.all_input_nodes:
+        value = value_of(arg)
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and 0 < value.numel() < out.numel() \
+                and _gets_gradient(arg):
+            return True
+    return False
+
+
+def _gets_gradient(node: fx.Node) -> bool:
+    """Whether ``node``'s value gets a gradient: it comes, through ops of one tensor input
+    (reshape, unsqueeze, expand...), from a parameter or from a computed activation."""
+    for _ in range(8):
+        inputs = [a for a in node.all_input_nodes if isinstance(value_of(a), torch.Tensor)]
+        if node.op not in ("call_function", "call_method") or len(inputs) != 1:
+            break
+        node = inputs[0]
+    if node.op == "placeholder":
+        return False
+    if node.op == "get_attr":
+        try:
+            node.graph.owning_module.get_parameter(str(node.target))
+        except AttributeError:
+            return False
+    return True
 
 
 def reduction(saves_input: bool) -> Rule:

@@ -14,8 +14,9 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .op_rules import (DEFAULT, Rule, conv, copy, dropout, einsum, elementwise, embedding, getitem, linear_module,
-                       matmul, maybe_copy, mha_module, native_mha, norm, pool, reduction, sdpa, view)
+from .op_rules import (DEFAULT, Rule, conv, copy, dropout, einsum, elementwise, embedding, linear_module, matmul,
+                       maybe_copy, mha_module, native_mha, norm, pool, reduction, sdpa, view)
+from .view_rules import expand, getitem, index, reshape, split
 
 __all__ = ["NAMED_RULES", "FUNCTION_NAMES", "MODULE_RULES", "rule_for", "module_rule"]
 
@@ -26,11 +27,14 @@ __all__ = ["NAMED_RULES", "FUNCTION_NAMES", "MODULE_RULES", "rule_for", "module_
 # Extend it with NAMED_RULES["my_op"] = rule; a rule maps an Op to a Work.
 NAMED_RULES: dict[str, Rule] = {
     **dict.fromkeys(
-        ["view", "_unsafe_view", "reshape", "view_as", "reshape_as", "permute", "transpose", "t",
-         "flatten", "unflatten", "expand", "expand_as", "squeeze", "unsqueeze", "select", "slice",
-         "narrow", "split", "split_with_sizes", "chunk", "tensor_split", "unbind", "detach",
-         "alias", "as_strided", "movedim", "swapaxes", "swapdims", "size", "dim", "numel",
-         "sym_size", "getattr", "lift_fresh_copy", "identity"], view),
+        ["permute", "transpose", "t", "squeeze", "unsqueeze", "detach", "alias", "as_strided", "movedim",
+         "swapaxes", "swapdims", "size", "dim", "numel", "sym_size", "getattr", "lift_fresh_copy", "identity"],
+        view),
+    # Views that copy where the strides forbid a view, or in backward: [Note: views that copy].
+    **dict.fromkeys(["view", "_unsafe_view", "reshape", "view_as", "reshape_as", "flatten", "unflatten"], reshape),
+    **dict.fromkeys(["split", "split_with_sizes", "chunk", "tensor_split", "unbind"], split),
+    **dict.fromkeys(["select", "slice", "narrow"], index),
+    **dict.fromkeys(["expand", "expand_as"], expand),
     "getitem": getitem,
     **dict.fromkeys(["contiguous", "to", "type_as", "float", "half", "bfloat16", "double", "type"],
                     maybe_copy),
@@ -51,7 +55,7 @@ NAMED_RULES: dict[str, Rule] = {
                      "batch_norm", "native_batch_norm", "_native_batch_norm_legit",
                      "_native_batch_norm_legit_no_training", "_native_batch_norm_legit_functional",
                      "group_norm", "native_group_norm", "instance_norm"], norm),
-    **dict.fromkeys(["softmax", "_softmax", "log_softmax", "_log_softmax"], elementwise(5.0, "output")),
+    **dict.fromkeys(["softmax", "_softmax", "log_softmax", "_log_softmax"], elementwise(5.0, "output", "softmax")),
     **dict.fromkeys(["relu", "sigmoid", "tanh", "elu", "hardtanh", "relu6"], elementwise(1.0, "output")),
     **dict.fromkeys(["gelu", "silu", "mish", "softplus", "hardswish", "hardsigmoid",
                      "leaky_relu", "prelu"], elementwise(4.0, "inputs")),
@@ -100,7 +104,7 @@ MODULE_RULES: dict[type, Rule] = {
     nn.MultiheadAttention: mha_module,
     nn.Embedding: embedding,
     nn.modules.dropout._DropoutNd: dropout,
-    nn.Identity: view, nn.Flatten: view, nn.Unflatten: view,
+    nn.Identity: view, nn.Flatten: reshape, nn.Unflatten: reshape,
     nn.Softmax: NAMED_RULES["softmax"], nn.LogSoftmax: NAMED_RULES["softmax"],
     **dict.fromkeys([nn.ReLU, nn.Sigmoid, nn.Tanh, nn.ELU, nn.Hardtanh], NAMED_RULES["relu"]),
     **dict.fromkeys([nn.GELU, nn.SiLU, nn.Mish, nn.Softplus, nn.Hardswish, nn.Hardsigmoid,

@@ -32,6 +32,19 @@ _CONV_FUNCTIONS = {torch.conv2d, torch.nn.functional.conv2d, torch.ops.aten.conv
                    torch.ops.aten.conv2d.default}
 
 
+# Fused attention on the GPU (flash, memory-efficient) writes its (B, heads, tokens, dim) output
+# as (B, tokens, heads, dim): the transpose and reshape that merge the heads after it are
+# views there, where the meta and CPU math kernels would make them copies.
+_ATTENTION_FUNCTIONS = {torch.nn.functional.scaled_dot_product_attention,
+                        torch.ops.aten.scaled_dot_product_attention.default}
+
+
+def _as_fused_attention_writes_it(result: Any) -> Any:
+    if isinstance(result, torch.Tensor) and result.dim() == 4:
+        return result.transpose(1, 2).contiguous().transpose(1, 2)
+    return result
+
+
 def _channels_last(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and channels_last_dense(t)
 
@@ -45,8 +58,11 @@ def _is_convolution(gm: fx.GraphModule, node: fx.Node) -> bool:
 
 def as_the_gpu_lays_it_out(interpreter: fx.Interpreter, node: fx.Node, result: Any) -> Any:
     """``result`` of ``node`` as ``interpreter`` ran it; of a convolution, channels-last where its
-    input or weight is (see [Note: a convolution's layout as the GPU makes it])."""
+    input or weight is (see [Note: a convolution's layout as the GPU makes it]); of fused
+    attention, tokens before heads."""
     gm = interpreter.module
+    if node.op == "call_function" and node.target in _ATTENTION_FUNCTIONS:
+        return _as_fused_attention_writes_it(result)
     if not _is_convolution(gm, node):
         return result
     if not (isinstance(result, torch.Tensor) and result.dim() == 4) or _channels_last(result):
