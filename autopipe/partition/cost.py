@@ -46,7 +46,9 @@ __all__ = [
 # Bytes: fwd_bytes = distinct tensors read (weights included) + the output written.
 #   bwd_bytes = grad of the output read + one grad written per tensor read in forward
 #   + saved activations read back. A node with no floating-point output, or with neither a
-#   floating-point input nor a weight, has no backward (bwd_* = 0, saved_bytes = 0).
+#   floating-point input nor a weight, has no backward (bwd_* = 0, saved_bytes = 0). A rule may
+#   say otherwise (``Work.fwd_free``, ``Work.bwd_bytes``): a view that copies only in backward,
+#   contiguous() whose backward passes the gradient through ([Note: views that copy]).
 # Backward FLOPs, by kind:
 #   "matmul" (linear, conv, matmul, bmm, einsum): 2x fwd, grad of the input plus grad of the
 #     weight (or of both operands); the first layer's unneeded input grad is not subtracted.
