@@ -139,11 +139,7 @@ def _assemble(op: Op, work: Work, params: list[nn.Parameter]) -> NodeCost:
         return NodeCost(0.0, 0.0, 0.0, 0.0, param_count, param_bytes, 0, out_bytes, work.kind, **shape)
     reads = work.reads if work.reads is not None else sum(
         tensor_bytes(t) for t in op.activations + op.weights)
-    # Gradients flow from a floating output to floating inputs or weights; comparisons,
-    # index arithmetic and argmax have no backward and keep nothing.
-    differentiable = any(t.is_floating_point() for t in tensor_values(op.out)) and (
-        bool(op.weights) or any(t.is_floating_point() for t in op.activations))
-    if not differentiable:
+    if not op.differentiable:  # no backward, nothing kept
         return NodeCost(float(work.flops), 0.0, float(reads + out_bytes), 0.0,
                         param_count, param_bytes, 0, out_bytes, work.kind, **shape)
     bwd_flops = work.bwd_flops if work.bwd_flops is not None else _BWD_RATIO.get(work.kind, 1.0) * work.flops

@@ -48,6 +48,13 @@ class Op:
         # tensor is the result, the rest are statistics.
         return next(tensor_values(self.out))
 
+    @property
+    def differentiable(self) -> bool:
+        """Whether gradients flow: a floating output from floating inputs or weights (comparisons,
+        index arithmetic and argmax have no backward)."""
+        return any(t.is_floating_point() for t in tensor_values(self.out)) and (
+            bool(self.weights) or any(t.is_floating_point() for t in self.activations))
+
     def floating_bytes(self) -> int:
         """Bytes of the floating-point activations: what a rule saves for backward."""
         return sum(tensor_bytes(t) for t in self.activations if t.is_floating_point())

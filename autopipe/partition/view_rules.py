@@ -43,18 +43,13 @@ def _name(node: fx.Node) -> str:
     return ""
 
 
-def _differentiable(op: Op) -> bool:
-    return any(t.is_floating_point() for t in tensor_values(op.out)) and (
-        bool(op.weights) or any(t.is_floating_point() for t in op.activations))
-
-
 def _source(op: Op) -> torch.Tensor | None:
     tensors = op.activations or op.weights
     return tensors[0] if tensors else None
 
 
-def _gradient_copy(nbytes: float, kind: str = "copy", flops: float = 0.0) -> Work:
-    return Work(kind, flops, fwd_free=True, bwd_bytes=float(nbytes), family=GRADIENT_COPY)
+def _gradient_copy(nbytes: float) -> Work:
+    return Work("copy", fwd_free=True, bwd_bytes=float(nbytes), family=GRADIENT_COPY)
 
 
 def reshape(op: Op) -> Work:
@@ -67,7 +62,7 @@ def reshape(op: Op) -> Work:
         x.view(out.shape)
     except (RuntimeError, ValueError):  # the strides forbid a view: reshape copies
         return Work("copy", bwd_bytes=0.0)
-    if _differentiable(op) and any(_name(u) in PERMUTES and not _views_back(value_of(u), out, x.shape)
+    if op.differentiable and any(_name(u) in PERMUTES and not _views_back(value_of(u), out, x.shape)
                                    for u in op.node.users):
         return _gradient_copy(2 * tensor_bytes(out))
     return Work("view")
@@ -94,7 +89,7 @@ def _views_back(permuted: Any, out: torch.Tensor, shape: torch.Size) -> bool:
 def split(op: Op) -> Work:
     """unbind, split, chunk: backward stacks the pieces' gradients into the input's shape."""
     x = _source(op)
-    if x is None or not _differentiable(op):
+    if x is None or not op.differentiable:
         return Work("view")
     return _gradient_copy(2 * tensor_bytes(x))
 
@@ -103,7 +98,7 @@ def index(op: Op) -> Work:
     """select, slice, narrow: backward fills the input's shape with zeros and the slice. A
     slice of everything (Swin's crop of a padding it did not add) is the input."""
     x = _source(op)
-    if x is None or not _differentiable(op) or x.numel() == op.out_tensor.numel():
+    if x is None or not op.differentiable or x.numel() == op.out_tensor.numel():
         return Work("view")
     return _gradient_copy(tensor_bytes(x) + 2 * tensor_bytes(op.out_tensor))
 
@@ -111,7 +106,7 @@ def index(op: Op) -> Work:
 def expand(op: Op) -> Work:
     """expand: backward sums the gradient over the broadcast dims."""
     x, out = _source(op), op.out_tensor
-    if x is None or not _differentiable(op) or x.numel() == out.numel():
+    if x is None or not op.differentiable or x.numel() == out.numel():
         return Work("view")
     return Work("reduction", float(out.numel()), fwd_free=True,
                 bwd_bytes=float(tensor_bytes(out) + tensor_bytes(x)))
