@@ -352,6 +352,7 @@ def report(nodes: list[dict], segs: list[dict], meta: dict[str, Any]) -> dict[st
     big = dev.sum(axis=1) > 20e-6  # nodes of at least 20 us: the ones that move a cut
     node_err = np.abs(gpu.sum(axis=1) - dev.sum(axis=1))[big] / dev.sum(axis=1)[big]
     errors["nodes_over_20us_in_sample"] = _summary(list(node_err))
+    held_out = _held_out_fits(nodes, segs)
     for mode in ("graphs", "eager"):
         meas = np.array([s[mode] for s in segs])
         errors[mode] = {"segments_in_sample": _summary(list(np.abs(_segment_prediction(nodes, segs, model, mode)
@@ -360,13 +361,7 @@ def report(nodes: list[dict], segs: list[dict], meta: dict[str, Any]) -> dict[st
         for parts in (4, 8):
             loo: list[float] = []
             per_model: dict[str, float] = {}
-            held_out = sorted({s["model"] for s in segs})
-            for held in held_out if len(held_out) > 1 else ():
-                keep_n = [r for r in nodes if r["model"] != held]
-                train_segs = [dict(s, nodes=_renumber(s, nodes, keep_n)) for s in segs if s["model"] != held]
-                m = fit(keep_n, train_segs)
-                test_n = [r for r in nodes if r["model"] == held]
-                test_segs = [dict(s, nodes=_renumber(s, nodes, test_n)) for s in segs if s["model"] == held]
+            for held, (m, test_n, test_segs) in held_out.items():
                 t_meas = np.array([s[mode] for s in test_segs])
                 e = _stage_errors(test_segs, _segment_prediction(test_n, test_segs, m, mode), t_meas, parts)
                 loo += e
@@ -382,6 +377,19 @@ def report(nodes: list[dict], segs: list[dict], meta: dict[str, Any]) -> dict[st
                 "layouts": meta.get("layouts", ["contiguous"]),
                 "nodes": len(nodes), "segments": len(segs), "stage_overhead": model["overhead"], "error": errors},
     }
+
+
+def _held_out_fits(nodes: list[dict], segs: list[dict]) -> dict[str, tuple[dict, list[dict], list[dict]]]:
+    """Per model (when there are several): the fit made without it, and its own nodes and segments."""
+    models = sorted({s["model"] for s in segs})
+    out = {}
+    for held in models if len(models) > 1 else ():
+        keep_n = [r for r in nodes if r["model"] != held]
+        train_segs = [dict(s, nodes=_renumber(s, nodes, keep_n)) for s in segs if s["model"] != held]
+        test_n = [r for r in nodes if r["model"] == held]
+        test_segs = [dict(s, nodes=_renumber(s, nodes, test_n)) for s in segs if s["model"] == held]
+        out[held] = (fit(keep_n, train_segs), test_n, test_segs)
+    return out
 
 
 def _renumber(seg: dict, all_nodes: list[dict], subset: list[dict]) -> list[int]:
