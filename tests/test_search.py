@@ -171,6 +171,39 @@ def test_a_sharded_node_keeps_its_fixed_time_whole():
     assert sum(plain2.node_times(4, cpu)) == pytest.approx(sum(plain1.node_times(4, cpu)))
 
 
+def test_a_sharded_node_divides_the_fixed_time_its_weights_take():
+    """[Note: fixed time of a sharded node]: the part of the nodes' fixed time that grows with
+    their parameter bytes (oneDNN's weight reorders, the gradients' writes) is divided by the
+    shards; the rest is kept whole. Nodes without parameters keep their whole intercept."""
+    from autopipe.measure import RunSetup, profile_graph
+
+    traced = _vit_graph()
+    cpu = get_profile("cpu")
+    timed = profile_graph(traced, RunSetup("cpu", reps=1, warmup=1), segments=2)
+    fixed, per_byte, per_sample = 2e-4, 4e-10, 1e-4
+    plan = plan_sharding(traced, 2)
+    plain = GraphCosts(traced, 2)
+    weights = {n: float(c.param_bytes) for n, c in zip(plain.order, plain.unsharded)}
+
+    def at(size: int):
+        return dataclasses.replace(timed, input_shapes=[[size, 3, 32, 32]], node_seconds={
+            n: fixed + per_byte * weights[n] + per_sample * size for n in timed.node_seconds})
+
+    one = GraphCosts(traced, 2, shard_plan=plan, measured=[at(4)])
+    two = GraphCosts(traced, 2, shard_plan=plan, measured=[at(1), at(4)])
+    f1, b1 = one.node_times(4, cpu)
+    f2, b2 = two.node_times(4, cpu)
+    sharded = [i for i, c in enumerate(two.costs) if c is not two.unsharded[i] and two.order[i] in timed.node_seconds
+               and weights[two.order[i]] > 0]
+    assert len(sharded) >= 4
+    for i in sharded:
+        whole = fixed + per_byte * weights[two.order[i]] + 4 * per_sample
+        share = (f1[i] + b1[i]) / whole
+        assert share < 0.75
+        assert f2[i] + b2[i] == pytest.approx(fixed + (whole - fixed) * share, rel=1e-6)
+    assert all(two.fixed[False][n] == pytest.approx(fixed) for n in timed.node_seconds)
+
+
 def test_layouts_cover_the_degrees_and_say_why_others_cannot_run():
     found, refused = [], []
     for layout, what, why in layouts(4, 6, modes=("eager",), recompute_options=(False,)):

@@ -89,7 +89,8 @@ class GraphCosts:
         profiles = list(measured.values()) if isinstance(measured, Mapping) else list(measured or ())
         self.measured = {_size_of(m, reference_size): m for m in profiles if not m.recompute}
         self.recomputed = {_size_of(m, reference_size): m for m in profiles if m.recompute}
-        self.fixed = {False: _fixed_seconds(self.measured), True: _fixed_seconds(self.recomputed)}
+        weights = {n: float(c.param_bytes) for n, c in zip(self.order, self.unsharded)}
+        self.fixed = {False: _fixed_seconds(self.measured, weights), True: _fixed_seconds(self.recomputed, weights)}
         self.modules = [owning_module(n) for n in nodes]
         self._kernels = _KernelTable.of(self.costs)
         self._times: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
@@ -231,27 +232,46 @@ class GraphCosts:
 # size (``_fixed_seconds``), and a sharded node costs that plus its share of the rest. On 2 CPU
 # processes ViT (width 128, one sample a micro-batch) ran its sharded graph in as long as the
 # unsharded one, 155 against 153 ms a step, where halving every node's time said 80. The
-# intercept also holds what reading a node's weights takes, which sharding does divide:
-# subtracting it at the copy bandwidth was tried, and priced ViT's tp=2 layouts 15-40% short
-# again (its weights stay in cache between micro-batches); ResNet-18's convolutions at 2-4
-# samples, whose weights do not, are priced 15-30% long by this rule.
+# intercept also holds what a node does to its weights once a micro-batch, which sharding does
+# divide: ResNet-18's convolutions on this CPU have intercepts of 0.2 ms plus 0.39 ms per MB of
+# weights (oneDNN reorders the weights into its blocked layout every call, and the backward
+# writes their gradient): 3.6 ms for a 9.4 MB 3x3 kernel of layer4, 17.6 of the graph's 25.6 ms
+# of fixed time. Kept whole, this priced ResNet-18's tp=2 layouts 8-22% long, growing with the
+# micro-batches. So the part that grows with a node's parameter bytes, the slope of the least
+# squares line through the intercepts of the nodes with parameters against their parameter
+# bytes (clipped at 0), is work that the shards divide; the rest of the intercept is kept
+# whole. ViT (width 128) has intercepts near 0 for its linear layers and a slope of 0: its
+# prices do not move. (Subtracting the weights' bytes at the copy bandwidth instead, 3 passes
+# at 26 GB/s, would take 1.1 ms of the 3.6.)
 
 
-def _fixed_seconds(profiles: Mapping[int, MeasuredCosts]) -> dict[str, float]:
-    """Each node's fixed seconds: the intercept (clipped to [0, its least time]) of the least
-    squares line through its times against the profiles' micro-batch sizes; {} with fewer than
-    two sizes."""
+def _fixed_seconds(profiles: Mapping[int, MeasuredCosts], weights: Mapping[str, float]) -> dict[str, float]:
+    """Each node's fixed seconds, which sharding does not divide: the intercept (clipped to
+    [0, its least time]) of the least squares line through its times against the profiles'
+    micro-batch sizes, less the part that grows with its parameter bytes (``weights``; see
+    [Note: fixed time of a sharded node]); {} with fewer than two sizes."""
     if len(profiles) < 2:
         return {}
     sizes = sorted(profiles)
     x = np.asarray(sizes, dtype=float)
-    names = set.intersection(*(set(profiles[s].node_seconds) for s in sizes))
+    names = sorted(set.intersection(*(set(profiles[s].node_seconds) for s in sizes)))
     out = {}
     for name in names:
         y = np.asarray([profiles[s].node_seconds[name] for s in sizes], dtype=float)
         slope, intercept = np.polyfit(x, y, 1)
         out[name] = float(min(max(intercept, 0.0), y.min()))
-    return out
+    per_byte = _seconds_per_weight_byte({n: out[n] for n in names if weights.get(n, 0.0) > 0}, weights)
+    return {n: max(f - per_byte * weights.get(n, 0.0), 0.0) for n, f in out.items()}
+
+
+def _seconds_per_weight_byte(intercepts: Mapping[str, float], weights: Mapping[str, float]) -> float:
+    """The slope (clipped at 0) of the least squares line through the nodes' ``intercepts``
+    against their parameter bytes; 0 with fewer than three nodes or one size of weights."""
+    w = np.asarray([weights[n] for n in intercepts], dtype=float)
+    if len(w) < 3 or np.ptp(w) == 0:
+        return 0.0
+    slope, _ = np.polyfit(w, np.asarray(list(intercepts.values()), dtype=float), 1)
+    return max(float(slope), 0.0)
 
 
 def _collective_counts(collectives, nodes: list, tp: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
