@@ -142,7 +142,7 @@ def failures(rows: list[dict[str, Any]]) -> list[str]:
     out = []
     for r in rows:
         if "error" in r:
-            out.append(f"{r['model']} mb={r['microbatch']} {r['mode']}: failed, {r['error']}")
+            out.append(f"{r['model']} mb={r['microbatch']} {r.get('mode', '')}: failed, {r['error']}")
             continue
         case = f"{r['model']} mb={r['microbatch']} {r['mode']} pp={r['pp']}x{r['chunks']}"
         if "measured" in r:
@@ -186,12 +186,18 @@ def main(argv: list[str] | None = None) -> int:
     cal_segs: list[dict[str, Any]] = []
     for name in args.models.split(","):
         for mb in (int(x) for x in args.microbatch.split(",")):
-            model = load_model(f"timm:{name}", image_size=args.image_size)
-            example = default_input(model, mb, image_size=args.image_size)
-            if args.channels_last:
-                model = model.to(memory_format=torch.channels_last)
-                example = example.contiguous(memory_format=torch.channels_last)
-            traced = trace(model, (example,))
+            try:
+                model = load_model(f"timm:{name}", image_size=args.image_size)
+                example = default_input(model, mb, image_size=args.image_size)
+                if args.channels_last:
+                    model = model.to(memory_format=torch.channels_last)
+                    example = example.contiguous(memory_format=torch.channels_last)
+                traced = trace(model, (example,))
+            except Exception as e:  # a model that cannot be built or traced is reported; the others run
+                traceback.print_exc()
+                rows.append({"model": name, "microbatch": mb, "error": f"{type(e).__name__}: {e}"})
+                print(f"{name} mb={mb}: {type(e).__name__}: {e}", flush=True)
+                continue
             profiles: dict[str, Any] = {}
             for mode in args.modes.split(","):
                 try:

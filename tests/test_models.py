@@ -31,6 +31,22 @@ def computing_factory() -> nn.Module:
     return Computing()
 
 
+class NoMetaKernel(nn.Module):
+    """Its constructor runs an op that has no meta kernel, as timm's RegNets do with torch.unique
+    on torch 2.11 (the message is that torch's own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        if torch.empty(0).is_meta:
+            raise NotImplementedError("aten::_unique2: attempted to run this operator with Meta tensors, but "
+                                      "there was no fake impl or Meta kernel registered.")
+        self.fc = nn.Linear(8, 6)
+
+
+def no_meta_kernel_factory() -> nn.Module:
+    return NoMetaKernel()
+
+
 def needs_a_package() -> nn.Module:
     raise ImportError("Needs requires the natten library but it was not found in your environment.")
 
@@ -97,6 +113,8 @@ def test_constructor_that_computes_still_builds_on_meta() -> None:
     regnet = load_model("torchvision:regnet_x_400mf")
     assert on_meta(regnet) and all(b.is_meta for b in regnet.buffers())
     assert sum(p.numel() for p in regnet.parameters()) == 5_495_976
+    other = load_model(f"{__name__}:no_meta_kernel_factory")
+    assert other.fc.out_features == 6 and on_meta(other)
 
 
 def test_torchvision_default_size_is_its_weights_smallest() -> None:
