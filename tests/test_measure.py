@@ -27,7 +27,8 @@ from autopipe.partition.balance import least_imbalance
 from autopipe.partition.cuts import cut_candidates
 from autopipe.partition.partitioner import partition_at
 from autopipe.measure.kernels import node_times
-from autopipe.partition.calibration import Calibration, class_of, kernel_kind, load_calibration, plain_class
+from autopipe.partition.calibration import (FLOPS, Calibration, class_of, kernel_kind, load_calibration, plain_class,
+                                           split_by_bound)
 from autopipe.partition.cost import graph_costs
 from autopipe.partition.device import PROFILES, DeviceProfile
 from autopipe.partition.measured import MeasuredCosts, Segment, fingerprint, spread
@@ -362,6 +363,32 @@ def test_a_table_without_channels_last_rows_prices_them_as_nchw():
     profile = DeviceProfile("p", 1e12, 1e11, 1e11, 1e9, 1e-5, 5e-6, calibration=both).with_mode("graphs")
     nchw = dataclasses.replace(conv, channels_last=False)
     assert profile.node_time(conv) < profile.node_time(nchw)  # its own, smaller factor
+
+
+def test_a_grouped_convolution_has_a_kind_of_its_own_priced_as_dense_without_rows():
+    """[Note: grouped convolutions]: groups of several channels are "gconv", depthwise ones
+    "dwconv"; a table without grouped rows prices a grouped kernel by the dense class of its shape
+    (factor, compute factor and launch), a table with them by its own."""
+    model = nn.Sequential(nn.Conv2d(64, 64, 3, groups=8), nn.Conv2d(64, 64, 3, groups=64), nn.Conv2d(64, 64, 1),
+                          nn.Conv2d(64, 64, 3, groups=16))
+    costs = graph_costs(trace(model.to(memory_format=torch.channels_last), (torch.randn(2, 64, 16, 16).contiguous(
+        memory_format=torch.channels_last),)).gm)
+    grouped, depthwise, dense, thin = (costs[f"_{i}"] for i in range(4))
+    assert (grouped.family, depthwise.family, dense.family) == ("gconv", "dwconv", "conv")
+    assert class_of(grouped) == "gconv-nhwc/16" and class_of(dense) == "conv-nhwc/64"  # 8 channels a group
+    assert class_of(thin) == "gconv-nhwc/4" and split_by_bound(class_of(thin))
+    dense_only = Calibration("gpu", {"conv-nhwc/16": (2.0, 3.0), "conv/4": (4.0, 5.0), "conv/4" + FLOPS: (6.0, 7.0)},
+                             launch=(1e-6, 2e-6), host=(0.0, 0.0), launches={"conv-nhwc": (5e-6, 6e-6)})
+    assert dense_only.factor("gconv-nhwc/16", True) == 3.0 and dense_only.launch_time("gconv-nhwc/16", False) == 5e-6
+    assert dense_only.factor("gconv-nhwc/4", False) == 4.0 and dense_only.flops_factor("gconv-nhwc/4", True) == 7.0
+    own = dataclasses.replace(dense_only, factors={**dense_only.factors, "gconv-nhwc/16": (9.0, 9.5)},
+                              launches={**dense_only.launches, "gconv-nhwc": (1e-5, 1e-5)})
+    assert own.factor("gconv-nhwc/16", True) == 9.5 and own.launch_time("gconv-nhwc/16", True) == 1e-5
+    assert own.factor("conv-nhwc/16", True) == 3.0  # the dense class keeps its own
+    profile = DeviceProfile("p", 1e12, 1e11, 1e11, 1e9, 1e-5, 5e-6, calibration=dense_only).with_mode("graphs")
+    as_dense = dataclasses.replace(grouped, family="conv")
+    assert profile.node_time(grouped) == profile.node_time(as_dense)
+    assert dataclasses.replace(profile, calibration=own).node_time(grouped) > profile.node_time(grouped)
 
 
 def test_a_calibrated_profile_prices_launches_by_mode():

@@ -13,8 +13,9 @@ backward pass:
   (``gemm/64`` holds linear layers whose weight's smaller side is in (32, 64]; for batched
   products of activations the smallest of M, N, K; for convolutions the channels in or out per
   group, so that a stem's 3 input channels form a class of their own), never the batch, so that
-  a class holds at any micro-batch size; depthwise convolutions, which run on vector units, by
-  the bytes they move;
+  a class holds at any micro-batch size; grouped convolutions as a kind of their own, by the
+  same dimension ([Note: grouped convolutions]); depthwise convolutions, which run on vector
+  units, by the bytes they move;
 - attention kernels in one class;
 - memory-bound kernels (norms, elementwise, reductions, copies) by their kind and the bytes
   they move, in factors of four from 256 KiB to 64 MiB (small kernels do not reach full
@@ -48,6 +49,15 @@ class of such a kernel (``NodeCost.channels_last``) carries the layout after its
 ("conv-nhwc/64", "norm:batch-nhwc/64ch", "dwconv-nhwc/4MiB"), and a table fitted on rows of
 both layouts keeps a factor and a launch time for each. A table that has no factor for a
 channels-last class (fitted on NCHW rows alone) prices it as the NCHW class of the same shape.
+
+[Note: grouped convolutions]
+A convolution with groups of more than one input channel (ResNeXt's 32 groups, RegNet's groups
+of 24 channels) runs cuDNN's grouped kernels, not a dense convolution's: on an H100 the 3x3
+convolutions of RegNetY-1.6GF's third stage, 24 channels a group, take 0.7 ms forward and
+backward at 128 images, 8-12x what the dense class of their channels per group
+("conv-nhwc/32", fitted on 1x1 convolutions) prices. So their class has a kind of its own ("gconv-nhwc/32"); a table with
+no rows of grouped convolutions prices them by the dense class of the same shape, as it did
+before the kind existed.
 
 [Note: short reductions]
 A channels-last batch norm reduces each channel over N x H x W rows; over few rows (ResNet's
@@ -139,7 +149,7 @@ def class_of(cost: NodeCost, *, backward: bool = False) -> str:
     if cost.kind in MATMUL_KINDS:
         if cost.family == "dwconv":  # memory-bound: by bytes, as the vector kernels
             return f"dwconv{layout}/{_bucket(nbytes, BYTE_BOUNDS, _bytes_label)}"
-        if cost.family in ("gemm", "conv") and cost.min_dim > 0:
+        if cost.family in ("gemm", "conv", "gconv") and cost.min_dim > 0:
             return f"{cost.family}{layout}/{_bucket(cost.min_dim, DIM_BOUNDS)}"
         return cost.kind  # attention, or a GEMM whose shape the rule could not tell
     if cost.family == "batch" and cost.min_dim > 0:  # by channels: see op_rules.norm
@@ -152,13 +162,27 @@ def class_of(cost: NodeCost, *, backward: bool = False) -> str:
 def split_by_bound(name: str) -> bool:
     """Whether class ``name`` keeps a factor for its compute-bound kernels apart from its
     memory-bound ones ([Note: bound by what]): convolutions over the thinnest inputs."""
-    return name.startswith("conv") and name.endswith(f"/{DIM_BOUNDS[0]}")
+    return dense_class(name).startswith("conv") and name.endswith(f"/{DIM_BOUNDS[0]}")
 
 
 def plain_class(name: str) -> str:
     """The NCHW class of the same kernel shape ("conv-nhwc/64" -> "conv/64"): what a table with
     no channels-last rows prices a channels-last kernel by."""
     return name.replace(NHWC, "", 1)
+
+
+def dense_class(name: str) -> str:
+    """The class of the ungrouped convolution of the same shape ("gconv-nhwc/32" ->
+    "conv-nhwc/32"): what a table with no rows of grouped convolutions prices one by."""
+    return name[1:] if name.startswith("gconv") else name
+
+
+def _fallbacks(name: str) -> tuple[str, ...]:
+    """The classes whose fitted figures price class ``name``, first found first: its own, its
+    NCHW class ([Note: kernel layout]), and for a grouped convolution the dense ones
+    ([Note: grouped convolutions])."""
+    dense = dense_class(name)
+    return (name, plain_class(name)) + ((dense, plain_class(dense)) if dense != name else ())
 
 
 def kernel_kind(name: str) -> str:
@@ -200,19 +224,20 @@ class Calibration:
 
     def launch_time(self, name: str, backward: bool) -> float:
         """The GPU seconds a launched kernel of class ``name`` adds besides its roofline."""
-        pair = self.launches.get(kernel_kind(name)) or self.launches.get(kernel_kind(plain_class(name)), self.launch)
+        pair = next((self.launches[k] for k in map(kernel_kind, _fallbacks(name)) if k in self.launches), self.launch)
         return pair[int(backward)]
 
     def factor(self, name: str, backward: bool) -> float:
         """The fitted multiplier of class ``name``: a channels-last class the fit never saw
-        takes its NCHW class's, and a class the fit never saw at all 1."""
-        pair = self.factors.get(name) or self.factors.get(plain_class(name))
+        takes its NCHW class's, a grouped convolution's class its dense one's, and a class the
+        fit never saw at all 1."""
+        pair = next((self.factors[k] for k in _fallbacks(name) if k in self.factors), None)
         return pair[int(backward)] if pair is not None else 1.0
 
     def flops_factor(self, name: str, backward: bool) -> float:
         """The multiplier of the compute side of class ``name``'s roofline: its own where the fit
         kept one ([Note: bound by what]), else the class's."""
-        pair = self.factors.get(name + FLOPS) or self.factors.get(plain_class(name) + FLOPS)
+        pair = next((self.factors[k + FLOPS] for k in _fallbacks(name) if k + FLOPS in self.factors), None)
         return pair[int(backward)] if pair is not None else self.factor(name, backward)
 
     def gap_time(self, mode: str) -> float:

@@ -69,7 +69,7 @@ __all__ = [
 #   mul/div of two tensors: both. Unknown ops: their floating inputs (err towards memory).
 # Unknown ops cost 1 FLOP per output element (vector units) and read/write their tensors.
 
-LAYOUT_FAMILIES = frozenset({"conv", "dwconv", "batch", "pool"})  # kernels that differ by layout
+LAYOUT_FAMILIES = frozenset({"conv", "gconv", "dwconv", "batch", "pool"})  # kernels that differ by layout
 MATMUL_KINDS = frozenset({"matmul", "attention"})  # run on matmul units (tensor cores)
 FREE_KINDS = frozenset({"view", "none"})  # launch no work: 0 FLOPs, 0 bytes, no overhead
 _BWD_RATIO = {"matmul": 2.0, "attention": 2.0, "norm": 2.0}
@@ -95,7 +95,7 @@ class NodeCost:
     kind: str = "elementwise"
     parts: tuple[NodeCost, ...] = ()
     # What a calibration table keys its efficiencies on (see partition/calibration.py):
-    # ``family`` is "gemm", "conv", "dwconv" (depthwise), "batch" or "row" (norms by what they
+    # ``family`` is "gemm", "conv", "gconv" (grouped), "dwconv" (depthwise), "batch" or "row" (norms by what they
     # normalise over) or "" (other kernels); ``min_dim`` what bounds a kernel's parallelism,
     # never the batch: a linear layer's smaller weight dimension, a batched product's smallest of
     # M, N, K, a conv's channels in or out per group (a stem's 3 input channels starve it), a

@@ -209,10 +209,12 @@ def conv(op: Op) -> Work:
     # The implicit GEMM's N (output channels per group) and K (input channels per group x kernel).
     groups = max(_groups(op), 1)
     per_group = w.shape[1] if transposed else w.shape[0] // groups
-    # A depthwise conv (one input channel per group) runs on vector units, memory-bound.
+    # A depthwise conv (one input channel per group) runs on vector units, memory-bound; other
+    # grouped convs run kernels of their own ([Note: grouped convolutions] in calibration.py).
     depthwise = groups > 1 and (w.shape[0] if transposed else w.shape[1]) == 1
+    family = "dwconv" if depthwise else "gconv" if groups > 1 else "conv"
     return Work("matmul", _conv_flops(x, w, op.out_tensor, transposed), saved=op.floating_bytes(),
-                 family="dwconv" if depthwise else "conv", min_dim=int(min(per_group, w.shape[1])))
+                 family=family, min_dim=int(min(per_group, w.shape[1])))
 
 
 def _groups(op: Op) -> int:
