@@ -55,9 +55,9 @@ A convolution with groups of more than one input channel (ResNeXt's 32 groups, R
 of 24 channels) runs cuDNN's grouped kernels, not a dense convolution's: on an H100 the 3x3
 convolutions of RegNetY-1.6GF's third stage, 24 channels a group, take 0.7 ms forward and
 backward at 128 images, 8-12x what the dense class of their channels per group
-("conv-nhwc/32", fitted on 1x1 convolutions) prices. So their class has a kind of its own ("gconv-nhwc/32"); a table with
-no rows of grouped convolutions prices them by the dense class of the same shape, as it did
-before the kind existed.
+("conv-nhwc/32", fitted on 1x1 convolutions) prices. So their class has a kind of its own
+("gconv-nhwc/32"). A table with no rows of grouped convolutions prices them by the dense class
+of the same shape, as it did before the kind existed.
 
 [Note: short reductions]
 A channels-last batch norm reduces each channel over N x H x W rows; over few rows (ResNet's
