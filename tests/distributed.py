@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import faulthandler
 import os
 import pickle
 import queue
@@ -61,6 +62,9 @@ def _worker(
     release: Any,
 ) -> None:
     torch.set_num_threads(1)  # 4 ranks on 2 cores: one compute thread each
+    # A rank still running shortly before the run's timeout prints where it is (every thread's
+    # stack, to stderr, which pytest shows with the failure): a hang names its line.
+    faulthandler.dump_traceback_later(max(timeout - 10.0, 1.0), exit=False)
     # The ranks are CPU processes on any machine, a GPU workstation included: what they ask
     # torch about CUDA must get a CPU-only machine's answer (as the tests' conftest does).
     torch.cuda.is_available = lambda: False  # type: ignore[assignment]
@@ -79,6 +83,7 @@ def _worker(
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the test
         kind = f"{type(exc).__module__}.{type(exc).__qualname__}"
         results.put((rank, False, pickle.dumps(RankError(rank, kind, str(exc), traceback.format_exc()))))
+    faulthandler.cancel_dump_traceback_later()
     results.close()
     results.join_thread()
     # Exit only once every rank has reported: a rank leaving early would close sockets that
