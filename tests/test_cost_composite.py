@@ -189,3 +189,23 @@ def test_attention_leaves_cost_what_they_run(model, size, kinds):
         # flop_counter counts the matmuls alone; the cost model adds softmax, scale and bias adds.
         assert flops <= cost.fwd_flops <= 1.05 * flops, (kind, cost.fwd_flops, flops)
         assert {p.kind for p in cost.parts} & set(MATMUL_KINDS)
+
+
+@pytest.mark.parametrize("act", ["silu", None])
+def test_a_norm_with_an_activation_of_its_own_costs_the_norm_and_the_activation(act):
+    """timm's BatchNormAct2d runs its norm, then its ``act``: priced as a BatchNorm2d followed by
+    that activation, two kernels ([Note: norms with an activation]); without one, as the norm."""
+    from timm.layers import BatchNormAct2d
+
+    x = torch.randn(4, 16, 8, 8)
+    fused = trace(nn.Sequential(BatchNormAct2d(16, act_layer=act or nn.Identity, apply_act=act is not None)), (x,))
+    apart = trace(nn.Sequential(nn.BatchNorm2d(16), *([nn.SiLU()] if act else [])), (x,))
+    (node,) = [n for n in fused.gm.graph.nodes if n.op == "call_module"]
+    cost = graph_costs(fused.gm)[node.name]
+    inner = [c for n, c in graph_costs(apart.gm).items() if c.kind not in ("view", "none")]
+    assert [p.kind for p in (cost.parts or (cost,))] == [c.kind for c in inner] == \
+        (["norm", "elementwise"] if act else ["norm"])
+    for field in ("fwd_flops", "bwd_flops", "fwd_bytes", "bwd_bytes", "saved_bytes", "param_count"):
+        assert getattr(cost, field) == sum(getattr(c, field) for c in inner), field
+    profile = get_profile("h100")
+    assert _time(profile, cost) == pytest.approx(sum(_time(profile, c) for c in inner))
