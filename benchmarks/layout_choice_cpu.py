@@ -393,14 +393,9 @@ def summarise(rows: list[dict]) -> list[str]:
     return failures
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="vit,resnet")
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--passes", type=int, default=2, help="times every layout is built and timed (the least is kept)")
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
+def run_two_ranks(target: Any, args: argparse.Namespace) -> Any:
+    """Runs ``target(rank, 2, port, args, out)`` on 2 spawned processes and returns what rank 0
+    puts on ``out``; None if a worker died (its traceback is printed) before it did."""
     # glibc returns freed large blocks to the system and maps them again (page faults) until its
     # adaptive threshold has grown past them: the same ResNet-18 step took 69 or 45 ms by when it
     # ran in a process. Fixed thresholds make every layout and profile run in the same state.
@@ -409,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = 29500 + os.getpid() % 1000
-    procs = [ctx.Process(target=worker, args=(r, 2, port, args, out)) for r in range(2)]
+    procs = [ctx.Process(target=target, args=(r, 2, port, args, out)) for r in range(2)]
     for p in procs:
         p.start()
     rows = None
@@ -420,10 +415,24 @@ def main(argv: list[str] | None = None) -> int:
             if any(p.exitcode not in (None, 0) for p in procs):
                 for p in procs:
                     p.kill()
-                print("FAIL a worker died; see its traceback above")
-                return 1
+                return None
     for p in procs:
         p.join()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="vit,resnet")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--passes", type=int, default=2, help="times every layout is built and timed (the least is kept)")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    rows = run_two_ranks(worker, args)
+    if rows is None:
+        print("FAIL a worker died; see its traceback above")
+        return 1
     failures = summarise(rows)
     with open(args.out, "w") as f:
         json.dump({"date": datetime.date.today().isoformat(), "machine": "2 CPU cores, 2 gloo processes of one "

@@ -33,7 +33,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -106,10 +105,10 @@ def _split(name: str, m: int, args: argparse.Namespace, timer: _CallTimer) -> di
             "bytes_per_call": moved / max(calls, 1), "per_call": inside / max(calls, 1)}
 
 
-def worker(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
+def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     timer = _CallTimer()
     rows = []
     try:
@@ -132,7 +131,7 @@ def worker(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="vit,resnet,fan", help="vit, resnet and/or fan")
+    parser.add_argument("--models", default="vit,fan", help="vit, resnet and/or fan")
     parser.add_argument("--microbatches", default="1,4,16")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=6)
@@ -142,26 +141,16 @@ def main(argv: list[str] | None = None) -> int:
     bad = [n for n in args.models.split(",") if n not in ("vit", "resnet", "fan")]
     if bad:
         parser.error(f"unknown model(s) {bad}: choose among vit, resnet, fan")
-    # As layout_choice_cpu.py runs its layouts (fixed malloc thresholds, see there).
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 32))
-    os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 32))
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = 29500 + os.getpid() % 1000
-    procs = [ctx.Process(target=worker, args=(r, port, args, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    rows = None
-    while rows is None:  # a worker that died (its traceback above) must not leave this waiting
-        try:
-            rows = out.get(timeout=5)
-        except Exception:  # noqa: BLE001 - queue.Empty
-            if any(p.exitcode not in (None, 0) for p in procs):
-                for p in procs:
-                    p.kill()
-                return 1
-    for p in procs:
-        p.join()
+    counts = [int(v) for v in args.microbatches.split(",")]
+    if "resnet" in args.models.split(",") and args.batch // max(counts) < 2:
+        parser.error(f"ResNet-18's batch norms need 2 samples a micro-batch or more: at --batch {args.batch}, "
+                     f"--microbatches {max(counts)} gives {args.batch // max(counts)}; use {args.batch // 2} or fewer")
+    import layout_choice_cpu as bench
+
+    rows = bench.run_two_ranks(worker, args)
+    if rows is None:
+        print("FAIL a worker died; see its traceback above")
+        return 1
     if args.out:
         meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "command": " ".join(sys.argv),
                 "machine": f"{os.cpu_count()} cores, 2 gloo processes of one thread"}
