@@ -192,8 +192,8 @@ def _node_cost(gm: fx.GraphModule, node: fx.Node, params: list[nn.Parameter]) ->
 # LayerNormAct are norm modules, so the norm rule prices them, but their forward runs the norm,
 # then their own ``drop`` and ``act`` children: two or three kernels, one pass over the map each
 # way for every child that is not an Identity. Priced as the norm alone, EfficientNet-B0's
-# batch norms came out 1.29x faster than their kernels on an H100, and a table fitted on them
-# charged the activations' time to every batch norm of the class. So a norm module's children
+# batch norms took 1.29x their price on an H100, and a table fitted on them charged the
+# activations' time to every batch norm of their class. So a norm module's children
 # that launch work are kernels of their own: each priced by its rule on the norm's output (the
 # same shape and dtype as its input), the node a composite of the norm and them.
 
@@ -206,7 +206,7 @@ def _norm_followers(node: fx.Node, module: nn.Module | None) -> tuple[NodeCost, 
     out = value_of(node)
     values = list(tensor_values(out))
     parts = []
-    for child_name, child in module.named_children():
+    for child in module.children():
         if isinstance(child, nn.Identity) or (isinstance(child, nn.modules.dropout._DropoutNd) and child.p == 0):
             continue
         found = module_rule(child)
