@@ -164,3 +164,36 @@ def test_row_parallel_layers_cast_their_weight_and_leave_the_bias_to_the_graph()
     with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
         got, want = gm(x), torch.nn.functional.linear(x, lin.weight)
     assert torch.equal(got, want)
+
+
+def test_an_input_gradient_that_does_not_fold_into_rows_is_one_gemm():
+    """A gradient permuted from NCHW (ConvNeXt's last blocks behind the global pool) is copied
+    into rows for one GEMM: no batched product over its leading dimensions ([Note: a gradient in
+    rows]), and the same input gradient as autocast's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(5)
+    lin = nn.Linear(64, 32)
+    gm = fx.symbolic_trace(nn.Sequential(copy.deepcopy(lin)))
+    WeightCasts.install([gm], torch.bfloat16)
+    x = torch.randn(4, 3, 3, 64, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    grad = torch.randn(4, 32, 3, 3).permute(0, 2, 3, 1)  # (4, 3, 3, 32), strides (288, 3, 1, 9)
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        y, y_ref = gm(x), lin(x_ref)
+    ops = Ops()
+    with ops:
+        y.backward(grad.to(y.dtype))
+    y_ref.backward(grad.to(y_ref.dtype))
+    assert "bmm" not in ops.names and ops.names.count("mm") == 2  # the input's gradient, the weight's
+    assert x.grad.shape == x.shape
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=2e-2, atol=2e-2)

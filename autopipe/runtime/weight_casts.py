@@ -58,6 +58,14 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.mm(a.float(), b.float())
 
 
+# [Note: a gradient in rows]
+# The input gradient is one GEMM over the gradient's rows, never ``grad @ weight`` on the
+# gradient as it comes. A gradient whose leading dimensions do not fold into rows without a
+# copy (ConvNeXt's last blocks: the global pool hands back an NCHW gradient, which reaches
+# ``mlp.fc2`` through the NHWC permutation, (N, 7, 7, C) with strides (49 C, 7, 1, 49)) sends
+# ``torch.matmul`` down its batched path: the weight broadcast over N x 7 rows of 7 and one bmm
+# of M = 7 products. On an H100 at 128 images that took 0.90 ms for each of ConvNeXt-B's three
+# stage-3 ``fc2``, where the copy into rows and one GEMM take about 0.06 ms.
 class _CastLinear(torch.autograd.Function):
     """``F.linear`` on the low-precision copies; gradients for the fp32 weight and bias."""
 
@@ -74,9 +82,9 @@ class _CastLinear(torch.autograd.Function):
         x_low, weight_low = ctx.saved_tensors
         grad = grad.to(weight_low.dtype)
         grad_x = grad_w = grad_b = None
+        rows = grad.reshape(-1, grad.shape[-1])  # see [Note: a gradient in rows]
         if ctx.needs_input_grad[0]:
-            grad_x = grad @ weight_low
-        rows = grad.reshape(-1, grad.shape[-1])
+            grad_x = (rows @ weight_low).view(*grad.shape[:-1], weight_low.shape[1])
         if ctx.needs_input_grad[1]:
             grad_w = _mm_fp32(rows.t(), x_low.reshape(-1, x_low.shape[-1]))
         if ctx.has_bias and ctx.needs_input_grad[2]:
