@@ -60,7 +60,7 @@ def rows_from_profiles(traced: Any, graphs: Any, eager: Any, model: str, microba
     segment (its own timings in both modes). The two profiles must share their segments. The
     roofline terms are those of ``profile``: a table's factors multiply them, so a table is right
     only for the profile it was fitted on."""
-    from autopipe.partition.calibration import kernel_features
+    from autopipe.partition.calibration import compute_features, kernel_features
     from autopipe.partition.cost import graph_costs
     from autopipe.partition.device import PROFILES
 
@@ -79,7 +79,7 @@ def rows_from_profiles(traced: Any, graphs: Any, eager: Any, model: str, microba
             for direction, i in (("fwd", 0), ("bwd", 1)):
                 kernels = kernel_features(costs[name], base, backward=bool(i))
                 feats: dict[str, float] = defaultdict(float)
-                for cls, seconds in kernels:
+                for cls, seconds in kernels + compute_features(costs[name], base, backward=bool(i)):
                     feats[cls] += seconds
                 row[direction] = {"features": dict(feats), "kernels": len(kernels),
                                   "device": dev[i] if dev else 0.0, "host": host[2 + i] if host else 0.0,
@@ -145,7 +145,7 @@ def refeature(nodes: list[dict], profile: str) -> None:
     """Recompute every row's roofline terms with this checkout's cost model on ``profile`` (the
     models are traced again here on the meta device; the measured times are kept)."""
     from autopipe.models import default_input, load_model
-    from autopipe.partition.calibration import kernel_features, kernel_kind
+    from autopipe.partition.calibration import compute_features, kernel_features, kernel_kind
     from autopipe.partition.cost import graph_costs
     from autopipe.partition.device import PROFILES
     from autopipe.tracer import trace
@@ -161,7 +161,7 @@ def refeature(nodes: list[dict], profile: str) -> None:
         for direction, backward in (("fwd", False), ("bwd", True)):
             kernels = kernel_features(cost, base, backward=backward)
             feats: dict[str, float] = defaultdict(float)
-            for cls, seconds in kernels:
+            for cls, seconds in kernels + compute_features(cost, base, backward=backward):
                 feats[cls] += seconds
             row[direction]["features"], row[direction]["kernels"] = dict(feats), len(kernels)
             row[direction]["kinds"] = dict(Counter(kernel_kind(cls) for cls, _ in kernels))

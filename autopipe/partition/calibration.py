@@ -77,6 +77,15 @@ factor. So such a class (``split_by_bound``) keeps a second factor for the compu
 takes max(compute x that factor, bytes x the class's factor): monotone in both. Any other class
 has no compute factor of its own and prices as f x max(compute, bytes).
 
+[Note: depthwise arithmetic]
+A depthwise convolution runs on the vector units, and its time follows its arithmetic as well as
+its bytes: per byte moved, a 5x5 kernel does 2.8x the multiply-adds of a 3x3 one, and a stride-2
+one a quarter of a stride-1 one over the same input. Priced by bytes alone, EfficientNet-B0's
+stride-2 3x3 convolutions cost 2x their time on an H100 and its 5x5 ones a third of theirs. So a
+depthwise kernel carries a second term, its FLOPs at the vector peak times a factor of its own
+("dwconv-nhwc:compute"), added to the bytes term of its class: the fit shares that factor
+between every kernel side and stride, where a class per kernel side saw each side in few models.
+
 [Note: replay gaps]
 A stage replayed as a CUDA graph still leaves the GPU idle between two of its kernels, about
 0.5 us on an H100, which no kernel's duration holds: on the hundreds of small kernels of a Swin
@@ -115,13 +124,14 @@ from autopipe.errors import ConfigError
 from autopipe.partition.cost import FREE_KINDS, MATMUL_KINDS, NodeCost
 
 __all__ = ["Calibration", "class_of", "kernel_kind", "plain_class", "load_calibration", "CALIBRATION_DIR", "DIM_BOUNDS",
-           "BYTE_BOUNDS", "BYTE_LABELS", "BYTE_LIMITS", "NHWC", "FLOPS", "SHORT_REDUCTION", "split_by_bound"]
+           "BYTE_BOUNDS", "BYTE_LABELS", "BYTE_LIMITS", "NHWC", "FLOPS", "COMPUTE", "SHORT_REDUCTION", "split_by_bound", "compute_class", "compute_features"]
 
 SCHEMA_VERSION = 1
 CALIBRATION_DIR = os.path.join(os.path.dirname(__file__), "calibration")
 DIM_BOUNDS = (4, 16, 32, 64, 128, 256, 512, 1024)
 NHWC = "-nhwc"  # the layout mark of a channels-last kernel's class
 FLOPS = ":flops"  # the mark of a class's compute-bound factor ([Note: bound by what])
+COMPUTE = ":compute"  # the mark of a kernel kind's vector-arithmetic term ([Note: depthwise arithmetic])
 BYTE_BOUNDS = tuple(2**18 * 4**i for i in range(5))  # 256 KiB, 1 MiB, 4 MiB, 16 MiB, 64 MiB
 SHORT_REDUCTION = 2**14  # bytes a channel: a batch norm over fewer rows is short ([Note: short reductions])
 
@@ -157,6 +167,14 @@ def class_of(cost: NodeCost, *, backward: bool = False) -> str:
         return f"norm:batch{layout}{short}/{_bucket(cost.min_dim, DIM_BOUNDS)}ch"  # [Note: short reductions]
     kind = f"{cost.kind}:{cost.family}" if cost.family else cost.kind
     return f"{kind}{layout}/{_bucket(nbytes, BYTE_BOUNDS, _bytes_label)}"
+
+
+def compute_class(cost: NodeCost, *, backward: bool = False) -> str | None:
+    """The class of a kernel's vector-arithmetic term, for the kernels that carry one: depthwise
+    convolutions ([Note: depthwise arithmetic]); None for any other."""
+    if cost.kind in MATMUL_KINDS and cost.family == "dwconv":
+        return kernel_kind(class_of(cost, backward=backward)) + COMPUTE
+    return None
 
 
 def split_by_bound(name: str) -> bool:
@@ -208,9 +226,22 @@ class Calibration:
     gap: dict[str, float] = field(default_factory=dict)
     schema: int = SCHEMA_VERSION
 
-    def gpu_time(self, cost: NodeCost, *, compute: float, bandwidth: float, backward: bool) -> float:
+    def gpu_time(self, cost: NodeCost, *, compute: float, bandwidth: float, backward: bool,
+                 vector: float = 0.0) -> float:
         """GPU seconds of one launched kernel: ``compute`` seconds of arithmetic at the plain
-        peak, its bytes at ``bandwidth``. See [Note: monotone in bytes]."""
+        peak, its bytes at ``bandwidth``, ``vector`` seconds of arithmetic at the vector peak
+        (priced where its class has a term for it: [Note: depthwise arithmetic]). See [Note:
+        monotone in bytes]."""
+        return self._roofline_time(cost, compute, bandwidth, backward) + self._vector_time(cost, vector, backward)
+
+    def _vector_time(self, cost: NodeCost, vector: float, backward: bool) -> float:
+        term = compute_class(cost, backward=backward)
+        if term is None or vector <= 0:
+            return 0.0
+        pair = next((self.factors[k] for k in (term, plain_class(term)) if k in self.factors), None)
+        return pair[int(backward)] * vector if pair is not None else 0.0
+
+    def _roofline_time(self, cost: NodeCost, compute: float, bandwidth: float, backward: bool) -> float:
         nbytes = cost.bwd_bytes if backward else cost.fwd_bytes
         name = class_of(cost, backward=backward)
         prefix, _, bucket = name.rpartition("/")
@@ -306,6 +337,18 @@ def kernel_features(cost: NodeCost, profile: Any, *, backward: bool) -> list[tup
             if split_by_bound(name) and flops / base.matmul_flops > nbytes / base.mem_bandwidth:
                 name += FLOPS
             out.append((name, seconds - base.op_overhead))
+    return out
+
+
+def compute_features(cost: NodeCost, profile: Any, *, backward: bool) -> list[tuple[str, float]]:
+    """(class, seconds at the vector peak) of the arithmetic terms of the kernels a node launches
+    in one direction ([Note: depthwise arithmetic]): terms a factor multiplies, not kernels."""
+    out = []
+    for k in launched(cost):
+        term = compute_class(k, backward=backward)
+        flops = k.bwd_flops if backward else k.fwd_flops
+        if term is not None and flops > 0:
+            out.append((term, flops / profile.vector_flops))
     return out
 
 

@@ -70,7 +70,8 @@ class DeviceProfile:
         peak = self.matmul_flops if c.kind in MATMUL_KINDS else self.vector_flops
         if self.calibration is None:
             return max(flops / peak, nbytes / self.mem_bandwidth) + self.op_overhead
-        gpu = self.calibration.gpu_time(c, compute=flops / peak, bandwidth=self.mem_bandwidth, backward=backward)
+        gpu = self.calibration.gpu_time(c, compute=flops / peak, bandwidth=self.mem_bandwidth, backward=backward,
+                                        vector=flops / self.vector_flops)
         host = self.calibration.host[int(backward)]
         if self.mode.startswith("compiled") and c.kind not in MATMUL_KINDS:
             # See [Note: compiled pricing]: the memory-bound kernels between GEMMs fuse.
