@@ -38,7 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stage", type=int, default=-1, help="which stage (default: the last)")
     parser.add_argument("--top", type=int, default=20, help="kernels and ops listed")
     parser.add_argument("--channels-last", action="store_true", help="model and input channels-last")
+    parser.add_argument("--cudnn-benchmark", action="store_true",
+                        help="let cuDNN time its algorithms (torch.backends.cudnn.benchmark)")
     args = parser.parse_args(argv)
+    torch.backends.cudnn.benchmark = args.cudnn_benchmark
     model = load_model(f"timm:{args.model}")
     example = default_input(model, args.microbatch)
     if args.channels_last:
@@ -61,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
                          key=lambda e: -e.device_time)
         print(f"{device_name(setup.device)}: {args.model}, {args.microbatch} images, stage {i} of {args.pp} "
               f"({plan.stages[i].nodes[0]}..{plan.stages[i].nodes[-1]}), eager: {len(kernels)} kernels, "
-              f"{sum(e.device_time for e in kernels) / 1e3:.2f} ms")
+              f"{sum(e.device_time for e in kernels) / 1e3:.2f} ms" + (", cudnn.benchmark" if args.cudnn_benchmark else ""))
         for e in kernels[:args.top]:
             print(f"  {e.device_time / 1e3:7.3f} ms  {e.name[:140]}")
         print(prof.key_averages(group_by_input_shape=True).table(
