@@ -30,23 +30,34 @@ from autopipe.stages import plan_stages  # noqa: E402
 from autopipe.tracer import trace  # noqa: E402
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model, its micro-batch, the stages and the layout: what this script and
+    stage_kernels.py plan."""
     parser.add_argument("--model", default="convnext_base", help="a timm model name")
     parser.add_argument("--microbatch", type=int, default=128)
     parser.add_argument("--pp", type=int, default=8)
-    parser.add_argument("--mode", default="graphs", choices=["graphs", "eager"])
-    parser.add_argument("--top", type=int, default=4, help="nodes shown per stage")
-    parser.add_argument("--plans", default="measured", choices=["measured", "analytic"],
-                        help="cut by a profile of the model, or by the device's calibrated analytic model")
     parser.add_argument("--channels-last", action="store_true", help="model and input channels-last")
-    args = parser.parse_args(argv)
+
+
+def traced_model(args: argparse.Namespace):
+    """The timm model ``args.model`` traced on one micro-batch, channels-last where asked."""
     model = load_model(f"timm:{args.model}")
     example = default_input(model, args.microbatch)
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
         example = example.contiguous(memory_format=torch.channels_last)
-    traced = trace(model, (example,))
+    return trace(model, (example,))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(parser)
+    parser.add_argument("--mode", default="graphs", choices=["graphs", "eager"])
+    parser.add_argument("--top", type=int, default=4, help="nodes shown per stage")
+    parser.add_argument("--plans", default="measured", choices=["measured", "analytic"],
+                        help="cut by a profile of the model, or by the device's calibrated analytic model")
+    args = parser.parse_args(argv)
+    traced = traced_model(args)
     setup = RunSetup(torch.device("cuda"), args.mode, torch.bfloat16, reps=10)
     gpu = PROFILES[gpu_profile_name(device_name(setup.device))].with_mode(args.mode)
     profile = profile_graph(traced, setup) if args.plans == "measured" else None

@@ -22,32 +22,23 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from autopipe.measure import RunSetup  # noqa: E402
 from autopipe.measure.timer import _stage_runs, device_name  # noqa: E402
-from autopipe.models import default_input, load_model  # noqa: E402
 from autopipe.partition.device import PROFILES, gpu_profile_name  # noqa: E402
 from autopipe.stages import plan_stages  # noqa: E402
-from autopipe.tracer import trace  # noqa: E402
+from node_times_in_stages import add_model_arguments, traced_model  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="convnext_base", help="a timm model name")
-    parser.add_argument("--microbatch", type=int, default=128)
-    parser.add_argument("--pp", type=int, default=8)
+    add_model_arguments(parser)
     parser.add_argument("--stage", type=int, default=-1, help="which stage (default: the last)")
     parser.add_argument("--top", type=int, default=20, help="kernels and ops listed")
-    parser.add_argument("--channels-last", action="store_true", help="model and input channels-last")
     parser.add_argument("--cudnn-benchmark", action="store_true",
                         help="let cuDNN time its algorithms (torch.backends.cudnn.benchmark)")
     args = parser.parse_args(argv)
     torch.backends.cudnn.benchmark = args.cudnn_benchmark
-    model = load_model(f"timm:{args.model}")
-    example = default_input(model, args.microbatch)
-    if args.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-        example = example.contiguous(memory_format=torch.channels_last)
-    traced = trace(model, (example,))
+    traced = traced_model(args)
     setup = RunSetup(torch.device("cuda"), "eager", torch.bfloat16, reps=10)
     gpu = PROFILES[gpu_profile_name(device_name(setup.device))].with_mode("graphs")
     plan = plan_stages(traced, args.pp, 1, device=gpu, activation_dtype=torch.bfloat16,
