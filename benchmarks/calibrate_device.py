@@ -158,6 +158,7 @@ def refeature(nodes: list[dict], profile: str) -> None:
             model = load_model(key[0] if ":" in key[0] else f"timm:{key[0]}")
             costs[key] = graph_costs(trace(*_laid_out(model, default_input(model, key[1]), key[2])).gm)
         cost = costs[key][row["node"]]
+        row["shape"] = "" if cost.parts else cost.shape
         for direction, backward in (("fwd", False), ("bwd", True)):
             kernels = kernel_features(cost, base, backward=backward)
             feats: dict[str, float] = defaultdict(float)
@@ -243,7 +244,35 @@ def _gpu(rows: list[dict], model: dict[str, Any]) -> np.ndarray:
     for k, d in enumerate(("fwd", "bwd")):
         a, _ = _design(rows, d, model["classes"], model["kinds"])
         out[:, k] = a @ model["sols"][d]
+    for r, row in enumerate(rows):
+        measured = model.get("kernels", {}).get(row.get("shape") or "")
+        for k in range(2) if measured else ():
+            out[r, k] = measured[k] or out[r, k]
     return out
+
+
+def _off_class(nodes: list[dict], model: dict[str, Any]) -> dict[str, tuple[float, float]]:
+    """Kernel shape -> (fwd, bwd) median measured seconds of its rows, where that median is
+    OFF_CLASS_RATIO x its class's price or more and OFF_CLASS_SECONDS beyond it, 0 in a direction
+    that is not ([Note: kernels off their class] in autopipe/partition/calibration.py)."""
+    from autopipe.partition.calibration import OFF_CLASS_RATIO, OFF_CLASS_SECONDS
+
+    pred = _gpu(nodes, dict(model, kernels={}))
+    rows: dict[str, list[int]] = defaultdict(list)
+    for r, row in enumerate(nodes):
+        if row.get("shape"):
+            rows[row["shape"]].append(r)
+    found = {}
+    for shape, idx in rows.items():
+        times = [0.0, 0.0]
+        for k, d in enumerate(("fwd", "bwd")):
+            measured = float(np.median([nodes[r][d]["device"] for r in idx]))
+            priced = float(np.median(pred[idx, k]))
+            if measured >= OFF_CLASS_RATIO * priced and measured - priced >= OFF_CLASS_SECONDS:
+                times[k] = measured
+        if any(times):
+            found[shape] = (times[0], times[1])
+    return found
 
 
 def _kernels(rows: list[dict]) -> np.ndarray:
@@ -292,6 +321,11 @@ def fit(nodes: list[dict], segs: list[dict]) -> dict[str, Any]:
     sols = {d: _nnls_relative(*_design(nodes, d, classes, kinds), len(classes)) for d in ("fwd", "bwd")}
     model: dict[str, Any] = {"classes": classes, "kinds": kinds, "sols": sols,
                              "overhead": {"graphs": 0.0, "eager": 0.0}, "boundary": {"graphs": 0.0, "eager": 0.0}}
+    # The kernels far off their class are priced by their own time, and the classes fitted without them.
+    model["kernels"] = _off_class(nodes, model)
+    for k, d in enumerate(("fwd", "bwd")):
+        rows = [r for r in nodes if not model["kernels"].get(r.get("shape") or "", (0.0, 0.0))[k]]
+        sols[d] = _nnls_relative(*_design(rows, d, classes, kinds), len(classes))
     # What a segment replayed as CUDA graphs takes beyond the measured kernel times of its nodes:
     # a stage's fixed cost (first launch, autograd's start), its boundary copies ([Note: boundary
     # copies]) and the gaps between its kernels ([Note: replay gaps]), fitted together (robust
@@ -371,7 +405,7 @@ def report(nodes: list[dict], segs: list[dict], meta: dict[str, Any]) -> dict[st
     return {
         "schema": 1, "device": meta["device"], "launch": model["launch"], "launches": model["launches"],
         "host": model["host"],
-        "factors": model["factors"], "stage": model["overhead"], "boundary": model["boundary"], "gap": model["gap"],
+        "factors": model["factors"], "kernels": model["kernels"], "stage": model["overhead"], "boundary": model["boundary"], "gap": model["gap"],
         "fit": {"made_by": "benchmarks/calibrate_device.py", "dtype": meta["dtype"], "torch": meta["torch"],
                 "date": meta["date"], "models": meta["models"], "microbatches": meta["microbatches"],
                 "layouts": meta.get("layouts", ["contiguous"]),
@@ -448,6 +482,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {path}")
     e = table["fit"]["error"]["nodes_over_20us_in_sample"]
     print(f"nodes of 20 us or more, in sample: median {e['median']:.3f} p90 {e['p90']:.3f}")
+    for shape, (fwd, bwd) in table["kernels"].items():
+        print(f"priced by its own time: {shape}  fwd {fwd * 1e6:.0f} us  bwd {bwd * 1e6:.0f} us")
     for mode in ("graphs", "eager"):
         e = table["fit"]["error"][mode]
         seg = e["segments_in_sample"]

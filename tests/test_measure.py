@@ -665,6 +665,12 @@ def test_stages_that_do_not_fit_at_once_are_timed_one_at_a_time(monkeypatch):
 
 def test_timing_passes_by_mode_and_their_check():
     assert CPU.timing_passes == 1  # CPU stages: timed once
+    from autopipe.measure.timer import GRAPH_PASSES, PASSES, default_passes
+
+    gpu = torch.device("cuda", 0)
+    assert default_passes(gpu, "eager") == default_passes(gpu, "compiled") == PASSES == 5  # the host's pace
+    assert default_passes(gpu, "graphs") == default_passes(gpu, "compiled+graphs") == GRAPH_PASSES == 3
+    assert default_passes(torch.device("cpu"), "eager") == 1
     assert dataclasses.replace(CPU, passes=4).timing_passes == 4
     for bad in (0, -1, 1.5):
         with pytest.raises(ProfileError, match="passes must be a positive integer"):

@@ -41,8 +41,15 @@ odd rounds from the last stage back, and each stage keeps its fastest round: its
 host keeps up, which is what the stages compare by. A round is a fraction of a second with no
 preparation between its stages, so a spell falls on neighbouring stages of one round and the
 other rounds time them again. Stages that do not fit the device at once (an out-of-memory
-error) are timed one at a time, the whole plan ``PASSES`` times over. Stages at the GPU's pace
-(CUDA graphs) and CPU stages are timed once, one at a time.
+error) are timed one at a time, the whole plan ``PASSES`` times over. CPU stages are timed
+once, one at a time.
+
+Stages at the GPU's pace (CUDA graphs) move far less, but not never: on an H100, in seven
+timings of three 8-stage plans (ViT-B/16 and ConvNeXt-B at 32 images; 56 stage timings), three
+stages read 1.13-1.86x their time in another timing of the same plan, every other stage within
+2% (ViT-B/16's first stage 3.66 ms against 1.97; benchmarks/results/
+2026-11-27-h100-graph-timing-spikes.txt). One such stage made plans of 1.04-1.12 read 1.15-1.79.
+So they are timed in ``GRAPH_PASSES`` rounds too, each stage keeping its fastest.
 """
 from __future__ import annotations
 
@@ -71,10 +78,12 @@ from autopipe.stages.emit import emit_stages
 from autopipe.stages.variants import boundary_values
 from autopipe.tracer import TracedModel
 
-__all__ = ["RunSetup", "StageTiming", "time_stages", "device_name", "WARM_SECONDS", "PASSES"]
+__all__ = ["RunSetup", "StageTiming", "time_stages", "device_name", "default_passes", "WARM_SECONDS", "PASSES",
+           "GRAPH_PASSES"]
 
 WARM_SECONDS = 0.05  # warm-up passes run at least this long (and at least RunSetup.warmup of them)
 PASSES = 5  # rounds of timings of a plan whose stages run at the host's pace; see [Note: timing passes]
+GRAPH_PASSES = 3  # rounds of timings of a plan replayed as CUDA graphs (the GPU's pace)
 
 
 @dataclass(frozen=True)
@@ -112,8 +121,14 @@ class RunSetup:
         """How many times the plan is timed; see [Note: timing passes]."""
         if self.passes is not None:
             return self.passes
-        host_bound = self.device.type == "cuda" and not self.mode.endswith("graphs")
-        return PASSES if host_bound else 1
+        return default_passes(self.device, self.mode)
+
+
+def default_passes(device: torch.device, mode: str) -> int:
+    """Rounds of timings of a plan on ``device`` in execution ``mode``; see [Note: timing passes]."""
+    if device.type != "cuda":
+        return 1
+    return GRAPH_PASSES if mode.endswith("graphs") else PASSES
 
 
 @dataclass(frozen=True)

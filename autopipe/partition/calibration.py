@@ -87,10 +87,19 @@ depthwise kernel carries a second term, its FLOPs at the vector peak times a fac
 ("dwconv-nhwc:compute"), added to the bytes term of its class: the fit shares that factor
 between every kernel side and stride, where a class per kernel side saw each side in few models
 (the h100 table's error on a model left out, 4-stage groups under CUDA graphs: median 15.4% ->
-10.7%). One shape stays out of reach: the weight gradient of the 5x5 stride-2 convolution over
-672 channels at 14x14 (EfficientNet-B0's and MobileNetV3-L's ``blocks.5.0``) runs cuDNN's
-direct grouped kernel, about 0.9 ms at 128 images on an H100 where its neighbours take 0.1 ms,
-with ``cudnn.benchmark`` too.
+10.7%). One shape stays out of their reach: see [Note: kernels off their class].
+
+[Note: kernels off their class]
+A few kernels run far from every price their class can give, for reasons of the library's own:
+the weight gradient of the 5x5 stride-2 depthwise convolution over 672 channels at 14x14
+(EfficientNet-B0's and MobileNetV3-L's ``blocks.5.0``) takes 0.90 ms at 128 channels-last images
+on an H100, where cuDNN runs it in 0.035 ms at 32 images and its neighbours' take 0.06-0.12 ms
+at 128 (``cudnn.benchmark`` picks the same kernel). No term of bytes or arithmetic prices one
+shape at 7x its neighbours. So a table keeps, by exact shape (``NodeCost.shape``: operands,
+stride, padding, dilation, groups, layout), the measured seconds of the kernels its rows found
+at OFF_CLASS_RATIO times their class's price or more, and OFF_CLASS_SECONDS beyond it
+(``kernels``); the class factors are fitted without them, and a kernel of such a shape is
+priced at its measured time. A shape no row has seen is priced by its class.
 
 [Note: replay gaps]
 A stage replayed as a CUDA graph still leaves the GPU idle between two of its kernels, about
@@ -131,7 +140,7 @@ from autopipe.partition.cost import FREE_KINDS, MATMUL_KINDS, NodeCost
 
 __all__ = ["Calibration", "class_of", "kernel_kind", "plain_class", "load_calibration", "CALIBRATION_DIR", "DIM_BOUNDS",
            "BYTE_BOUNDS", "BYTE_LABELS", "BYTE_LIMITS", "NHWC", "FLOPS", "COMPUTE", "SHORT_REDUCTION", "split_by_bound",
-           "compute_class", "compute_features"]
+           "compute_class", "compute_features", "OFF_CLASS_RATIO", "OFF_CLASS_SECONDS"]
 
 SCHEMA_VERSION = 1
 CALIBRATION_DIR = os.path.join(os.path.dirname(__file__), "calibration")
@@ -140,6 +149,7 @@ NHWC = "-nhwc"  # the layout mark of a channels-last kernel's class
 FLOPS = ":flops"  # the mark of a class's compute-bound factor ([Note: bound by what])
 COMPUTE = ":compute"  # the mark of a kernel kind's vector-arithmetic term ([Note: depthwise arithmetic])
 BYTE_BOUNDS = tuple(2**18 * 4**i for i in range(5))  # 256 KiB, 1 MiB, 4 MiB, 16 MiB, 64 MiB
+OFF_CLASS_RATIO, OFF_CLASS_SECONDS = 3.0, 100e-6  # [Note: kernels off their class]
 SHORT_REDUCTION = 2**14  # bytes a channel: a batch norm over fewer rows is short ([Note: short reductions])
 
 
@@ -231,6 +241,8 @@ class Calibration:
     boundary: dict[str, float] = field(default_factory=dict)
     # execution mode -> device seconds between two kernels of a replayed stage ([Note: replay gaps])
     gap: dict[str, float] = field(default_factory=dict)
+    # kernel shape -> (fwd, bwd) measured GPU seconds, 0 where its class prices it ([Note: kernels off their class])
+    kernels: dict[str, tuple[float, float]] = field(default_factory=dict)
     schema: int = SCHEMA_VERSION
 
     def gpu_time(self, cost: NodeCost, *, compute: float, bandwidth: float, backward: bool,
@@ -239,14 +251,25 @@ class Calibration:
         peak, its bytes at ``bandwidth``, ``vector`` seconds of arithmetic at the vector peak
         (priced where its class has a term for it: [Note: depthwise arithmetic]). See [Note:
         monotone in bytes]."""
+        measured = self.kernel_seconds(cost.shape, backward)
+        if measured > 0:
+            return measured
         return self._roofline_time(cost, compute, bandwidth, backward) + self._vector_time(cost, vector, backward)
 
     def _vector_time(self, cost: NodeCost, vector: float, backward: bool) -> float:
         term = compute_class(cost, backward=backward)
-        if term is None or vector <= 0:
-            return 0.0
+        return self.vector_factor(term, backward) * vector if term is not None and vector > 0 else 0.0
+
+    def vector_factor(self, term: str, backward: bool) -> float:
+        """The multiplier of a vector-arithmetic term ``term`` (a channels-last term the fit never
+        saw takes its NCHW one's; none: 0): [Note: depthwise arithmetic]."""
         pair = next((self.factors[k] for k in (term, plain_class(term)) if k in self.factors), None)
-        return pair[int(backward)] * vector if pair is not None else 0.0
+        return pair[int(backward)] if pair is not None else 0.0
+
+    def kernel_seconds(self, shape: str, backward: bool) -> float:
+        """The measured GPU seconds of a kernel of exact ``shape``, or 0 where its class prices
+        it ([Note: kernels off their class])."""
+        return self.kernels.get(shape, (0.0, 0.0))[int(backward)] if shape else 0.0
 
     def _roofline_time(self, cost: NodeCost, compute: float, bandwidth: float, backward: bool) -> float:
         nbytes = cost.bwd_bytes if backward else cost.fwd_bytes
@@ -301,9 +324,12 @@ class Calibration:
             gap = {str(k): float(v) for k, v in data.get("gap", {}).items()}
             if not all(math.isfinite(v) and v >= 0 for v in (*boundary.values(), *gap.values())):
                 raise ValueError("negative or non-finite boundary seconds per byte or gaps between kernels")
+            kernels = {str(k): (float(v[0]), float(v[1])) for k, v in data.get("kernels", {}).items()}
+            if not all(math.isfinite(x) and x >= 0 for v in kernels.values() for x in v):
+                raise ValueError("negative or non-finite kernel seconds")
             return cls(str(data["device"]), factors, tuple(map(float, data["launch"])),
                        tuple(map(float, data["host"])), {str(k): float(v) for k, v in data.get("stage", {}).items()},
-                       dict(data.get("fit", {})), launches, boundary, gap)
+                       dict(data.get("fit", {})), launches, boundary, gap, kernels)
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise ConfigError(f"not a calibration table: {exc}") from exc
 

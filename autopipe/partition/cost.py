@@ -106,6 +106,9 @@ class NodeCost:
     # kernels differ by layout (LAYOUT_FAMILIES: convolutions, batch norms, pooling). A
     # calibration keeps their factors apart ([Note: kernel layout] in partition/calibration.py).
     channels_last: bool = False
+    # The kernel's exact shape where its rule names it (convolutions): a calibration prices the
+    # shapes it measured far from their class by their own time ([Note: kernels off their class]).
+    shape: str = ""
 
 
 def _owned_params(gm: fx.GraphModule, node: fx.Node) -> list[nn.Parameter]:
@@ -134,7 +137,8 @@ def _assemble(op: Op, work: Work, params: list[nn.Parameter]) -> NodeCost:
     out_bytes = value_bytes(op.out)
     param_count = sum(p.numel() for p in params)
     param_bytes = sum(tensor_bytes(p) for p in params)
-    shape = dict(family=work.family, min_dim=work.min_dim, channels_last=_channels_last_kernel(op, work))
+    shape = dict(family=work.family, min_dim=work.min_dim, channels_last=_channels_last_kernel(op, work),
+                 shape=work.shape)
     if work.kind in FREE_KINDS:
         return NodeCost(0.0, 0.0, 0.0, 0.0, param_count, param_bytes, 0, out_bytes, work.kind, **shape)
     reads = work.reads if work.reads is not None else sum(

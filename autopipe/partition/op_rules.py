@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from autopipe.graph import tensor_bytes, tensor_values, value_of
+from autopipe.memory_format import channels_last_dense
 
 __all__ = ["Op", "Work", "Rule", "STAT_BYTES", "BROADCAST", "DEFAULT"] + [
     "view", "maybe_copy", "copy", "matmul", "einsum", "conv", "sdpa", "native_mha", "norm", "elementwise",
@@ -73,6 +74,7 @@ class Work:
     min_dim: int = 0
     fwd_free: bool = False  # launches nothing forward: a view whose backward copies
     bwd_bytes: float | None = None  # None: by [Note: cost conventions]; 0 with no bwd_flops: no kernel
+    shape: str = ""  # the kernel's exact shape, where a calibration may know it by name (convolutions)
 
 
 Rule = Callable[[Op], Work]
@@ -214,7 +216,23 @@ def conv(op: Op) -> Work:
     depthwise = groups > 1 and (w.shape[0] if transposed else w.shape[1]) == 1
     family = "dwconv" if depthwise else "gconv" if groups > 1 else "conv"
     return Work("matmul", _conv_flops(x, w, op.out_tensor, transposed), saved=op.floating_bytes(),
-                 family=family, min_dim=int(min(per_group, w.shape[1])))
+                 family=family, min_dim=int(min(per_group, w.shape[1])), shape=_conv_shape(op, x, w, groups))
+
+
+def _conv_shape(op: Op, x: torch.Tensor, w: torch.Tensor, groups: int) -> str:
+    """A convolution's exact shape: input, weight, stride, padding, dilation, groups and the
+    input's layout ([Note: kernels off their class] in calibration.py)."""
+    if op.module is not None:
+        geometry = (op.module.stride, op.module.padding, op.module.dilation)
+    else:
+        geometry = tuple(op.arg(i, name, default=d) for i, name, d in
+                         ((3, "stride", 1), (4, "padding", 0), (5, "dilation", 1)))
+    layout = "nhwc" if channels_last_dense(x) else "nchw"
+    def listed(v: Any) -> str:  # an int stride, padding or dilation holds for every spatial dim
+        return ",".join(map(str, v if isinstance(v, (tuple, list, torch.Size)) else [v] * (w.dim() - 2)))
+
+    fields = (("x", x.shape), ("w", w.shape), *zip("spd", geometry))
+    return " ".join([*(f"{k}={listed(v)}" for k, v in fields), f"g={groups}", layout])
 
 
 def _groups(op: Op) -> int:

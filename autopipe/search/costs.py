@@ -16,7 +16,8 @@ from typing import Iterable, Mapping
 import numpy as np
 
 from autopipe.graph import owning_module
-from autopipe.partition.calibration import BYTE_BOUNDS, BYTE_LABELS, BYTE_LIMITS, Calibration, class_of, launched
+from autopipe.partition.calibration import (BYTE_BOUNDS, BYTE_LABELS, BYTE_LIMITS, Calibration, class_of, compute_class,
+                                            launched)
 from autopipe.partition.cost import MATMUL_KINDS, NodeCost, graph_costs, training_state_bytes
 from autopipe.partition.device import COMPILED_FUSION, DeviceProfile
 from autopipe.partition.measured import MeasuredCosts
@@ -33,19 +34,21 @@ __all__ = ["GraphCosts", "scaled"]
 
 
 def scaled(cost: NodeCost, ratio: float) -> NodeCost:
-    """``cost`` at ``ratio`` times its batch; see [Note: costs at another batch]."""
+    """``cost`` at ``ratio`` times its batch; see [Note: costs at another batch]. Its kernel no
+    longer has the shape it was traced with, so no calibration prices it by that shape's
+    measured time ([Note: kernels off their class])."""
     if ratio == 1.0:
         return cost
     if cost.parts:
         parts = tuple(scaled(p, ratio) for p in cost.parts)
         return dataclasses.replace(
-            cost, parts=parts, fwd_flops=sum(p.fwd_flops for p in parts), bwd_flops=sum(p.bwd_flops for p in parts),
+            cost, parts=parts, shape="", fwd_flops=sum(p.fwd_flops for p in parts), bwd_flops=sum(p.bwd_flops for p in parts),
             fwd_bytes=sum(p.fwd_bytes for p in parts), bwd_bytes=sum(p.bwd_bytes for p in parts),
             saved_bytes=int(cost.saved_bytes * ratio), out_bytes=int(cost.out_bytes * ratio))
     weights = min(float(cost.param_bytes), cost.fwd_bytes)
     grads = min(2.0 * cost.param_bytes, cost.bwd_bytes)  # weights read, their gradients written
     return dataclasses.replace(
-        cost, fwd_flops=cost.fwd_flops * ratio, bwd_flops=cost.bwd_flops * ratio,
+        cost, shape="", fwd_flops=cost.fwd_flops * ratio, bwd_flops=cost.bwd_flops * ratio,
         fwd_bytes=weights + (cost.fwd_bytes - weights) * ratio, bwd_bytes=grads + (cost.bwd_bytes - grads) * ratio,
         saved_bytes=int(cost.saved_bytes * ratio), out_bytes=int(cost.out_bytes * ratio))
 
@@ -94,7 +97,7 @@ class GraphCosts:
         self.modules = [owning_module(n) for n in nodes]
         self._kernels = _KernelTable.of(self.costs)
         self._times: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
-        self._launch: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._launch: dict[int, tuple[tuple[np.ndarray, ...], ...]] = {}
 
     def node_times(self, size: int, profile: DeviceProfile, *,
                    recompute: bool = False) -> tuple[np.ndarray, np.ndarray]:
@@ -127,8 +130,10 @@ class GraphCosts:
             if cal is None:
                 seconds = np.maximum(flops / peak, nbytes / profile.mem_bandwidth) + profile.op_overhead
             else:
-                seconds = self._gpu_seconds(cal, flops / peak, nbytes, profile.mem_bandwidth, d) \
-                    + self._launches(cal)[d]
+                launch, vector, kept = self._per_kernel(cal, d, ratio)
+                seconds = self._gpu_seconds(cal, flops / peak, nbytes, profile.mem_bandwidth, d) + launch \
+                    + vector * flops / profile.vector_flops
+                seconds = np.where(kept > 0, kept, seconds)
                 host = np.full(len(seconds), cal.host[d])
                 if profile.mode.startswith("compiled"):
                     fused = np.where(k.matmul, 1.0, COMPILED_FUSION)
@@ -144,14 +149,19 @@ class GraphCosts:
             fwd, bwd = self._from_measured(measured, size, profile, fwd, bwd, self.fixed[recompute])
         return fwd, bwd
 
-    def _launches(self, cal: Calibration) -> tuple[np.ndarray, np.ndarray]:
-        """Each kernel's launch time under ``cal`` (forward, backward), made once per table."""
+    def _per_kernel(self, cal: Calibration, direction: int, ratio: float) -> tuple[np.ndarray, ...]:
+        """Each kernel's launch time, vector-arithmetic factor ([Note: depthwise arithmetic]) and
+        measured seconds where ``cal`` keeps its shape (0 elsewhere, and at any other size than
+        the traced one: [Note: kernels off their class]) under ``cal``, made once per table."""
         key = id(cal)
         if key not in self._launch:
-            k = self._kernels
-            self._launch[key] = tuple(np.array([cal.launch_time(fixed or prefix, bool(d))
-                                                for fixed, prefix in zip(k.fixed_class, k.prefix)]) for d in (0, 1))
-        return self._launch[key]
+            k, backward = self._kernels, (False, True)
+            self._launch[key] = tuple(
+                (np.array([cal.launch_time(fixed or prefix, b) for fixed, prefix in zip(k.fixed_class, k.prefix)]),
+                 np.array([cal.vector_factor(t, b) if t else 0.0 for t in k.term]),
+                 np.array([cal.kernel_seconds(shape, b) for shape in k.shape])) for b in backward)
+        launch, vector, kept = self._launch[key][direction]
+        return launch, vector, kept if ratio == 1.0 else np.zeros_like(kept)
 
     def _gpu_seconds(self, cal: Calibration, compute: np.ndarray, nbytes: np.ndarray, bandwidth: float,
                      direction: int) -> np.ndarray:
@@ -364,6 +374,8 @@ class _KernelTable:
     act_bytes: tuple[np.ndarray, np.ndarray]  # bytes that do
     fixed_class: list[str]  # calibration class when it does not depend on bytes, else ""
     prefix: list[str]  # else the class's part before the bytes bucket
+    term: list[str]  # its vector-arithmetic term's class, or "" ([Note: depthwise arithmetic])
+    shape: list[str]  # its exact shape where its rule names it ([Note: kernels off their class])
 
     @classmethod
     def of(cls, costs: list[NodeCost]) -> _KernelTable:
@@ -376,8 +388,9 @@ class _KernelTable:
                 bytes_class = "/" in fwd_class and ("iB" in fwd_class.rsplit("/", 1)[1])
                 rows.append((i, k.kind in MATMUL_KINDS, k.fwd_flops, k.bwd_flops, weights, grads,
                              k.fwd_bytes - weights, k.bwd_bytes - grads,
-                             "" if bytes_class else fwd_class, fwd_class.rsplit("/", 1)[0] if bytes_class else ""))
-        cols = list(zip(*rows)) if rows else [[] for _ in range(10)]
+                             "" if bytes_class else fwd_class, fwd_class.rsplit("/", 1)[0] if bytes_class else "",
+                             compute_class(k) or "", k.shape))
+        cols = list(zip(*rows)) if rows else [[] for _ in range(12)]
         arr = [np.asarray(c, dtype=float) for c in cols[2:8]]
         return cls(np.asarray(cols[0], dtype=int), np.asarray(cols[1], dtype=bool), (arr[0], arr[1]),
-                   (arr[2], arr[3]), (arr[4], arr[5]), list(cols[8]), list(cols[9]))
+                   (arr[2], arr[3]), (arr[4], arr[5]), list(cols[8]), list(cols[9]), list(cols[10]), list(cols[11]))
