@@ -405,7 +405,8 @@ def report(nodes: list[dict], segs: list[dict], meta: dict[str, Any]) -> dict[st
     return {
         "schema": 1, "device": meta["device"], "launch": model["launch"], "launches": model["launches"],
         "host": model["host"],
-        "factors": model["factors"], "kernels": model["kernels"], "stage": model["overhead"], "boundary": model["boundary"], "gap": model["gap"],
+        "factors": model["factors"], "kernels": model["kernels"], "stage": model["overhead"],
+        "boundary": model["boundary"], "gap": model["gap"],
         "fit": {"made_by": "benchmarks/calibrate_device.py", "dtype": meta["dtype"], "torch": meta["torch"],
                 "date": meta["date"], "models": meta["models"], "microbatches": meta["microbatches"],
                 "layouts": meta.get("layouts", ["contiguous"]),

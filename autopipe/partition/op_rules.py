@@ -228,6 +228,7 @@ def _conv_shape(op: Op, x: torch.Tensor, w: torch.Tensor, groups: int) -> str:
         geometry = tuple(op.arg(i, name, default=d) for i, name, d in
                          ((3, "stride", 1), (4, "padding", 0), (5, "dilation", 1)))
     layout = "nhwc" if channels_last_dense(x) else "nchw"
+
     def listed(v: Any) -> str:  # an int stride, padding or dilation holds for every spatial dim
         return ",".join(map(str, v if isinstance(v, (tuple, list, torch.Size)) else [v] * (w.dim() - 2)))
 

@@ -42,8 +42,9 @@ def scaled(cost: NodeCost, ratio: float) -> NodeCost:
     if cost.parts:
         parts = tuple(scaled(p, ratio) for p in cost.parts)
         return dataclasses.replace(
-            cost, parts=parts, shape="", fwd_flops=sum(p.fwd_flops for p in parts), bwd_flops=sum(p.bwd_flops for p in parts),
-            fwd_bytes=sum(p.fwd_bytes for p in parts), bwd_bytes=sum(p.bwd_bytes for p in parts),
+            cost, parts=parts, shape="", fwd_flops=sum(p.fwd_flops for p in parts),
+            bwd_flops=sum(p.bwd_flops for p in parts), fwd_bytes=sum(p.fwd_bytes for p in parts),
+            bwd_bytes=sum(p.bwd_bytes for p in parts),
             saved_bytes=int(cost.saved_bytes * ratio), out_bytes=int(cost.out_bytes * ratio))
     weights = min(float(cost.param_bytes), cost.fwd_bytes)
     grads = min(2.0 * cost.param_bytes, cost.bwd_bytes)  # weights read, their gradients written
@@ -97,7 +98,7 @@ class GraphCosts:
         self.modules = [owning_module(n) for n in nodes]
         self._kernels = _KernelTable.of(self.costs)
         self._times: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
-        self._launch: dict[int, tuple[tuple[np.ndarray, ...], ...]] = {}
+        self._kernel_terms: dict[int, tuple[tuple[np.ndarray, ...], ...]] = {}
 
     def node_times(self, size: int, profile: DeviceProfile, *,
                    recompute: bool = False) -> tuple[np.ndarray, np.ndarray]:
@@ -154,13 +155,14 @@ class GraphCosts:
         measured seconds where ``cal`` keeps its shape (0 elsewhere, and at any other size than
         the traced one: [Note: kernels off their class]) under ``cal``, made once per table."""
         key = id(cal)
-        if key not in self._launch:
-            k, backward = self._kernels, (False, True)
-            self._launch[key] = tuple(
-                (np.array([cal.launch_time(fixed or prefix, b) for fixed, prefix in zip(k.fixed_class, k.prefix)]),
-                 np.array([cal.vector_factor(t, b) if t else 0.0 for t in k.term]),
-                 np.array([cal.kernel_seconds(shape, b) for shape in k.shape])) for b in backward)
-        launch, vector, kept = self._launch[key][direction]
+        if key not in self._kernel_terms:
+            k = self._kernels
+            self._kernel_terms[key] = tuple(
+                (np.array([cal.launch_time(fixed or prefix, backward)
+                           for fixed, prefix in zip(k.fixed_class, k.prefix)]),
+                 np.array([cal.vector_factor(term, backward) if term else 0.0 for term in k.term]),
+                 np.array([cal.kernel_seconds(shape, backward) for shape in k.shape])) for backward in (False, True))
+        launch, vector, kept = self._kernel_terms[key][direction]
         return launch, vector, kept if ratio == 1.0 else np.zeros_like(kept)
 
     def _gpu_seconds(self, cal: Calibration, compute: np.ndarray, nbytes: np.ndarray, bandwidth: float,
