@@ -80,17 +80,17 @@ def test_the_timer_hands_stages_channels_last_inputs():
 def _timed_inputs(traced: Any, plan: Any, look: Any) -> list[list[Any]]:
     """``look(x)`` of each 4-D input the timer hands each stage of ``plan``."""
     seen = []
-    original = timer._StageRun.__init__
+    original = timer.StageRun.__init__
 
     def spy(self, stage, inputs, grads, setup):
         seen.append([look(x) for x in inputs if x.dim() == 4])
         original(self, stage, inputs, grads, setup)
 
-    timer._StageRun.__init__ = spy
+    timer.StageRun.__init__ = spy
     try:
         time_plan(traced, plan, timer.RunSetup("cpu", reps=1, warmup=1))
     finally:
-        timer._StageRun.__init__ = original
+        timer.StageRun.__init__ = original
     return seen
 
 

@@ -123,7 +123,8 @@ def measured_plan(traced: TracedModel, setup: RunSetup, partition_args: dict[str
                            seconds=[measured.node_seconds.get(n, 0.0) for n in order],
                            measure=timed,
                            cut_at=lambda starts: partition_at(traced, starts, measured=measured, **at_args),
-                           target=options.target, moves=options.moves)
+                           target=options.target, moves=options.moves,
+                           whole_plans=not setup.mode.endswith("graphs"))
 
 
 def _groups(traced: TracedModel, measured: MeasuredCosts) -> dict[str, int]:

@@ -14,9 +14,12 @@ from corrected costs:
   g = 1 (the profile) so that groups no timing has told apart stay as profiled;
 - node seconds are the profiled ones times their group's factor, and the graph is cut again.
 Each round adds equations, so corrections sharpen instead of chasing the last round's noise.
-The loop keeps the plan whose slowest measured stage is fastest (the slowest stage sets a
-pipeline's pace), records every round in ``plan.refinement`` and the kept plan's stage times
-in ``StagePlan.measured_time``, and stops after ``rounds`` re-cuts.
+A host's pace changes between timings ([Note: timing passes] in timer.py), and a re-cut moves
+work between stages without changing how much there is: so each round's times enter the
+equations scaled to the first round's total, and the loop keeps the plan whose slowest stage
+is fastest at that common pace, i.e. whose measured max/mean is least (the slowest stage sets
+a pipeline's pace). It records every round in ``plan.refinement`` and the kept plan's stage
+times in ``StagePlan.measured_time``, and stops after ``rounds`` re-cuts.
 
 [Note: boundary moves]
 Corrections by segment assume a stage costs the sum of its parts, and a re-cut moves every
@@ -29,8 +32,14 @@ alone:
   the gap between their times (failing that, the next nearest, up to TRIES positions);
 - the slowest stage's boundaries are tried first, then the others by the gap across them, so
   work reaches a fast stage far from the slowest one through the stages in between;
-- only the two stages a move changes are timed again, and the move is kept if the slower of
-  them is now faster than the slower was before (the slowest stage never gets slower);
+- under CUDA graphs (the GPU's pace, steady) only the two stages a move changes are timed
+  again, and the move is kept if the slower of them is now faster than the slower was before
+  (the slowest stage never gets slower);
+- at the host's pace (``whole_plans``), which changes between one timing and the next, every
+  stage of the moved plan is timed together, and the timing is taken to the current plan's
+  pace (scaled to its total: a move moves work, it adds none) before the same test. Ratios
+  within one timing hold at any pace ([Note: timing sweeps] in timer.py); times from two
+  timings do not;
 - the moves stop when no boundary helps, at the target, or after ``moves`` timings.
 Every move is logged in ``plan.refinement`` after the rounds.
 """
@@ -71,18 +80,19 @@ def refine(plan: PartitionPlan, *, groups: int,
             stage.measured_time = t
         ratio = plan.measured_imbalance or 1.0
         log.append({"round": r, "measured_max": max(measured), "measured_imbalance": ratio,
-                    "stage_starts": [stage.nodes[0] for stage in plan.stages]})
-        if r == 0 or max(measured) < max(s.measured_time for s in best.stages):
+                    "times": measured, "stage_starts": [stage.nodes[0] for stage in plan.stages]})
+        if r == 0 or ratio < (best.measured_imbalance or 1.0):
             best = plan
         if ratio <= target or r == rounds:
             break
+        pace = sum(log[0]["times"]) / sum(measured)  # type: ignore[arg-type]
         for by_group, t in zip(planned(plan), measured):
             row = np.zeros(groups + 1)
             for k, seconds in by_group.items():
                 row[k] = seconds
             row[-1] = 1.0  # the stage's fixed time
             rows.append(row)
-            times.append(t)
+            times.append(t * pace)
         factors = _solve(np.array(rows), np.array(times), groups)
         log[-1]["factors"] = [round(f, 4) for f in factors]
         plan = replan(factors)
@@ -93,11 +103,12 @@ def refine(plan: PartitionPlan, *, groups: int,
 def move_boundaries(plan: PartitionPlan, *, order: Sequence[str], allowed: Sequence[bool],
                     seconds: Sequence[float], measure: Callable[[PartitionPlan, list[int]], Sequence[float]],
                     cut_at: Callable[[list[int]], PartitionPlan], target: float = 1.05,
-                    moves: int = 16) -> PartitionPlan:
+                    moves: int = 16, whole_plans: bool = False) -> PartitionPlan:
     """See [Note: boundary moves]. ``plan``'s stages carry their measured times; ``order`` names
     the nodes in graph order, ``allowed[k]`` says whether a stage may start at node k + 1, and
     ``seconds[k]`` is node k's profiled time; ``measure(plan, stages)`` times those stages of
-    ``plan``; ``cut_at(starts)`` is the plan whose stages start at those node positions."""
+    ``plan``; ``cut_at(starts)`` is the plan whose stages start at those node positions; with
+    ``whole_plans`` every stage of a moved plan is timed, at the current plan's pace."""
     position = {name: k for k, name in enumerate(order)}
     times = [s.measured_time for s in plan.stages]
     if any(t is None or t <= 0 for t in times) or any(n not in position for s in plan.stages for n in s.nodes):
@@ -123,13 +134,17 @@ def move_boundaries(plan: PartitionPlan, *, order: Sequence[str], allowed: Seque
                     break
                 tried.add(tuple(new))
                 candidate = cut_at(new)
-                timed = [float(t) for t in measure(candidate, [i, i + 1])]
+                stages = list(range(len(times))) if whole_plans else [i, i + 1]
+                timed = [float(t) for t in measure(candidate, stages)]
                 left -= 1
-                kept = max(timed) < times[slow]
-                log.append({"move": moves - left, "stages": [i, i + 1], "measured": timed, "kept": kept,
+                if whole_plans:  # this timing at the pace of the current plan's: a move moves no work away
+                    timed = [t * sum(times) / sum(timed) for t in timed]
+                kept = max(t for t, j in zip(timed, stages) if j in (i, i + 1)) < times[slow]
+                log.append({"move": moves - left, "stages": stages, "measured": timed, "kept": kept,
                             "stage_starts": [order[k] for k in new]})
                 if kept:
-                    times[i], times[i + 1] = timed
+                    for k, t in zip(stages, timed):
+                        times[k] = t
                     for stage, t in zip(candidate.stages, times):
                         stage.measured_time = t
                     candidate.refinement = log

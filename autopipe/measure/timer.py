@@ -35,27 +35,41 @@ stage (each stage emitted, copied to the device and warmed before its timing) re
 for every stage in one pass and 9.1-10.0 ms for four of them in the pass before; in many passes
 the stages read slower the later they came. A stage timed in a slow spell looks heavier than it
 is, and the cut moves work away from it.
-So such plans are timed in ``PASSES`` rounds: every stage is prepared first and kept on the
-device, then each round times each stage in turn (``reps`` back to back after ``warmup``),
-odd rounds from the last stage back, and each stage keeps its fastest round: its time when the
-host keeps up, which is what the stages compare by. A round is a fraction of a second with no
-preparation between its stages, so a spell falls on neighbouring stages of one round and the
-other rounds time them again. Stages that do not fit the device at once (an out-of-memory
-error) are timed one at a time, the whole plan ``PASSES`` times over. CPU stages are timed
-once, one at a time.
+A round of every stage in turn does not outlast it either: on an H100 host, a 4-stage
+plan of ResNet-50 at 32 images read 5.45, 5.55, 5.62 and 5.07 ms in one timing and 8.08, 8.40,
+8.27 and 5.18 a minute later, each stage keeping its fastest of five rounds; in five of twelve
+eager plans of the two ResNets, two such timings parted by more than the balance target.
+So such plans are timed in sweeps ([Note: timing sweeps]).
+
+[Note: timing sweeps]
+Every stage is prepared first and kept on the device. A sweep runs each stage once, forward then
+backward, in turn (odd sweeps from the last stage back), with the device drained before each
+stage so that no stage runs on work the host queued for the one before. Sweeps are a few
+milliseconds to a few tens of milliseconds long, far shorter than the host's spells, so the
+stages of one sweep are timed at one pace: a spell slows every stage of the sweeps it falls on,
+and the stages compare within a sweep as they compare in a pipeline. The plan is timed in
+``passes * reps`` sweeps after untimed ones (``warmup`` and ``WARM_SECONDS``); the fastest
+``SWEEPS_KEPT`` of them by their total time, when the host kept up, are kept, and each stage's
+forward and backward are their medians over the kept sweeps: the same sweeps for every stage.
+Stages that do not fit the device at once (an out-of-memory error) are timed one at a time, the
+whole plan ``passes`` times over, each stage keeping its fastest pass. CPU stages are timed once,
+one at a time.
 
 Stages at the GPU's pace (CUDA graphs) move far less, but not never: on an H100, in seven
 timings of three 8-stage plans (ViT-B/16 and ConvNeXt-B at 32 images; 56 stage timings), three
 stages read 1.13-1.86x their time in another timing of the same plan, every other stage within
 2% (ViT-B/16's first stage 3.66 ms against 1.97; benchmarks/results/
 2026-11-27-h100-graph-timing-spikes.txt). One such stage made plans of 1.04-1.12 read 1.15-1.79.
-So they are timed in ``GRAPH_PASSES`` rounds too, each stage keeping its fastest.
+So they are timed in ``GRAPH_PASSES`` rounds: every stage on the device at once, each round
+timing each stage in turn (``reps`` back to back after ``warmup``, odd rounds from the last stage
+back), each stage keeping its fastest round.
 """
 from __future__ import annotations
 
 import copy
 import gc
 import itertools
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -64,14 +78,12 @@ from typing import Any, Iterable, Iterator, Sequence
 import torch
 import torch.nn as nn
 
-from autopipe.measure.kernels import NodeTimes, node_times
 from autopipe.errors import ProfileError
-from autopipe.memory_format import boundary_layout, channels_last_dense, channels_last_model
+from autopipe.measure.stage_run import StageRun, StageTiming
+from autopipe.memory_format import boundary_layout, channels_last_model
 from autopipe.partition.device import EXECUTION_MODES, _materialise
 from autopipe.partition.plan import PartitionPlan
-from autopipe.runtime.graphs import StageGraphs
 from autopipe.runtime.host_threads import pinned_host_threads
-from autopipe.runtime.p2p import TensorSpec
 from autopipe.runtime.preparation import prepare_stage
 from autopipe.runtime.weight_casts import WeightCasts
 from autopipe.stages.emit import emit_stages
@@ -79,11 +91,12 @@ from autopipe.stages.variants import boundary_values
 from autopipe.tracer import TracedModel
 
 __all__ = ["RunSetup", "StageTiming", "time_stages", "device_name", "default_passes", "WARM_SECONDS", "PASSES",
-           "GRAPH_PASSES"]
+           "GRAPH_PASSES", "SWEEPS_KEPT"]
 
 WARM_SECONDS = 0.05  # warm-up passes run at least this long (and at least RunSetup.warmup of them)
-PASSES = 5  # rounds of timings of a plan whose stages run at the host's pace; see [Note: timing passes]
+PASSES = 5  # a plan whose stages run at the host's pace: PASSES * reps sweeps; see [Note: timing sweeps]
 GRAPH_PASSES = 3  # rounds of timings of a plan replayed as CUDA graphs (the GPU's pace)
+SWEEPS_KEPT = 1 / 3  # the fraction of sweeps, the fastest by their total, that the stages' times come from
 
 
 @dataclass(frozen=True)
@@ -96,7 +109,7 @@ class RunSetup:
     recompute: bool = False  # activation checkpointing
     warmup: int = 2
     reps: int = 10
-    passes: int | None = None  # rounds of timings, each stage keeping its fastest; None: PASSES
+    passes: int | None = None  # rounds (or passes * reps sweeps) of timings; None: the mode's default
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", torch.device(self.device))
@@ -131,17 +144,6 @@ def default_passes(device: torch.device, mode: str) -> int:
     return GRAPH_PASSES if mode.endswith("graphs") else PASSES
 
 
-@dataclass(frozen=True)
-class StageTiming:
-    forward: float  # median seconds, one micro-batch
-    backward: float
-    nodes: NodeTimes | None = None  # per-node kernel times, when asked for
-
-    @property
-    def seconds(self) -> float:
-        return self.forward + self.backward
-
-
 def device_name(device: torch.device | str) -> str:
     """The name a device gives itself (the key a profile is made for)."""
     device = torch.device(device)
@@ -161,8 +163,9 @@ def time_stages(traced: TracedModel, plan: PartitionPlan, setup: RunSetup,
     wanted = set(range(plan.num_stages) if indices is None else indices)
     if setup.timing_passes == 1:
         return _time_pass(traced, plan, setup, wanted, kernels=kernels)
+    timed_together = _time_rounds if setup.mode.endswith("graphs") else _time_sweeps
     try:
-        return _time_rounds(traced, plan, setup, wanted, kernels=kernels)
+        return timed_together(traced, plan, setup, wanted, kernels=kernels)
     except torch.cuda.OutOfMemoryError:  # the stages do not fit the device at once: one at a time
         gc.collect()
         torch.cuda.empty_cache()
@@ -209,8 +212,60 @@ def _time_rounds(traced: TracedModel, plan: PartitionPlan, setup: RunSetup, want
     return best
 
 
+def _time_sweeps(traced: TracedModel, plan: PartitionPlan, setup: RunSetup, wanted: set[int], *,
+                 kernels: bool) -> dict[int, StageTiming]:
+    """Every wanted stage prepared at once and timed in sweeps, each stage's times the medians
+    over the fastest sweeps; see [Note: timing sweeps]."""
+    runs = dict(_stage_runs(traced, plan, setup, wanted))
+    order = sorted(runs)
+    try:
+        with pinned_host_threads(setup.device):
+            warm_until = time.perf_counter() + WARM_SECONDS
+            for n in itertools.count():
+                if n >= setup.warmup and time.perf_counter() >= warm_until:
+                    break
+                for i in order:
+                    runs[i].backward(*runs[i].forward())
+                runs[order[0]].clock.sync()
+            sweeps = _sweeps(runs, order, setup.timing_passes * setup.reps)
+        best = kept_sweeps(sweeps)
+        if kernels:
+            best = {i: StageTiming(t.forward, t.backward, runs[i].node_times(setup)) for i, t in best.items()}
+        return best
+    finally:
+        for run in runs.values():
+            run.close()
+
+
+def _sweeps(runs: dict[int, "StageRun"], order: list[int], count: int) -> list[dict[int, tuple[float, float]]]:
+    """``count`` sweeps over ``runs``: per sweep, each stage's (forward, backward) seconds."""
+    marks: list[dict[int, tuple[Any, Any, Any]]] = []
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for s in range(count):
+            marks.append({i: runs[i].step() for i in (reversed(order) if s % 2 else order)})
+        runs[order[0]].clock.sync()
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return [{i: (runs[i].clock.seconds(a, b), runs[i].clock.seconds(b, c)) for i, (a, b, c) in sweep.items()}
+            for sweep in marks]
+
+
+def kept_sweeps(sweeps: Sequence[dict[int, tuple[float, float]]], kept: float = SWEEPS_KEPT) -> dict[int, StageTiming]:
+    """Each stage's forward and backward: their medians over the fastest ``kept`` of ``sweeps``
+    by total time, the same sweeps for every stage ([Note: timing sweeps])."""
+    if not sweeps:
+        raise ProfileError("no sweeps to keep: time at least one sweep (passes * reps >= 1)")
+    fastest = sorted(sweeps, key=lambda sweep: sum(f + b for f, b in sweep.values()))
+    fastest = fastest[:max(1, math.ceil(kept * len(sweeps)))]
+    return {i: StageTiming(statistics.median(s[i][0] for s in fastest), statistics.median(s[i][1] for s in fastest))
+            for i in fastest[0]}
+
+
 def _stage_runs(traced: TracedModel, plan: PartitionPlan, setup: RunSetup,
-                wanted: set[int]) -> Iterator[tuple[int, "_StageRun"]]:
+                wanted: set[int]) -> Iterator[tuple[int, "StageRun"]]:
     """Each wanted stage, in order, prepared on the real outputs of the stages before it."""
     last_needed = max(wanted, default=-1)
     stages = emit_stages(traced, plan, range(last_needed + 1))
@@ -219,7 +274,7 @@ def _stage_runs(traced: TracedModel, plan: PartitionPlan, setup: RunSetup,
     for i in range(last_needed + 1):
         last = i == plan.num_stages - 1
         if i in wanted:
-            run = _StageRun(_prepare(stages.pop(i), setup, last=last), inputs,
+            run = StageRun(_prepare(stages.pop(i), setup, last=last), inputs,
                             [i > 0 and x.is_floating_point() for x in inputs], setup)
             outputs = run.outputs
             yield i, run
@@ -259,104 +314,3 @@ def _prepare(stage: nn.Module, setup: RunSetup, *, last: bool) -> nn.Module:
     prepare_stage(stage, device_type=setup.device.type, compute_dtype=setup.compute_dtype,
                   compile=setup.mode.startswith("compiled"), recompute=setup.recompute, cast_outputs=not last)
     return stage
-
-
-class _StageRun:
-    """One prepared stage on its inputs, ready to be timed. The first forward and backward (which
-    compile and capture) run on construction, on the process's cores; ``outputs`` (detached)
-    feed the next stage."""
-
-    def __init__(self, stage: nn.Module, inputs: Sequence[torch.Tensor], grads: Sequence[bool],
-                 setup: RunSetup) -> None:
-        self.stage, self.inputs, self.grads = stage, tuple(inputs), list(grads)
-        self.xs = [x.detach().requires_grad_(g) for x, g in zip(inputs, grads)]
-        self.graphs = None
-        if setup.mode.endswith("graphs"):
-            specs = [TensorSpec(tuple(x.shape), x.dtype, channels_last_dense(x)) for x in self.xs]
-            self.graphs = StageGraphs(stage, specs, grads, 1, setup.device)
-            self.graphs.prepare_grads()
-        self.seeds: list[torch.Tensor] | None = None
-        self._outputs: tuple[torch.Tensor, ...] = ()
-        self.clock = _Clock(setup.device)
-        self.backward(*self.forward())
-
-    @property
-    def outputs(self) -> tuple[torch.Tensor, ...]:
-        return tuple(o.detach() for o in self._outputs)
-
-    def forward(self) -> tuple[Any, list[torch.Tensor]]:
-        if self.graphs is not None:
-            slot, outs = self.graphs.forward(*self.xs)
-        else:
-            slot, outs = None, self.stage(*self.xs)
-        self._outputs = (outs,) if isinstance(outs, torch.Tensor) else tuple(outs)
-        return slot, [o for o in self._outputs if isinstance(o, torch.Tensor) and o.requires_grad]
-
-    def backward(self, slot: Any, outs: list[torch.Tensor]) -> None:
-        if self.seeds is None:
-            self.seeds = [torch.randn_like(o) for o in outs]
-        if outs:
-            torch.autograd.backward(outs, self.seeds)
-        if self.graphs is not None:
-            self.graphs.release(slot)
-
-    def time(self, setup: RunSetup, *, warm_seconds: float) -> StageTiming:
-        """Median forward and backward seconds of ``setup.reps`` back-to-back repetitions, after
-        ``setup.warmup`` untimed ones and at least ``warm_seconds`` of them: a GPU left idle (while
-        the host emitted and captured a stage) clocks down, and a stage of a millisecond needs many
-        passes to bring it back. No garbage collection inside the timed repetitions."""
-        clock, fwd, bwd = self.clock, [], []
-        warm_until = time.perf_counter() + warm_seconds
-        for passes in itertools.count(1):
-            if passes > setup.warmup:
-                clock.sync()
-                if time.perf_counter() >= warm_until:
-                    break
-            self.backward(*self.forward())
-        gc_was_enabled = gc.isenabled()
-        gc.disable()
-        try:
-            for _ in range(setup.reps):
-                t0 = clock.mark()
-                slot, outs = self.forward()
-                t1 = clock.mark()
-                self.backward(slot, outs)
-                t2 = clock.mark()
-                fwd.append((t0, t1))
-                bwd.append((t1, t2))
-            clock.sync()
-        finally:
-            if gc_was_enabled:
-                gc.enable()
-        return StageTiming(statistics.median(clock.seconds(a, b) for a, b in fwd),
-                           statistics.median(clock.seconds(a, b) for a, b in bwd))
-
-    def node_times(self, setup: RunSetup) -> NodeTimes:
-        """Each node's own times ([Note: node times from kernels])."""
-        return node_times(self.stage, self.inputs, self.grads, setup.device, setup.compute_dtype,
-                          reps=max(2, setup.reps // 3), recompute=setup.recompute)
-
-    def close(self) -> None:
-        for p in self.stage.parameters():
-            p.grad = None
-
-
-class _Clock:
-    """Marks on the device's stream (CUDA events) or the host clock."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def mark(self) -> Any:
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def seconds(self, a: Any, b: Any) -> float:
-        return a.elapsed_time(b) / 1e3 if self.cuda else b - a
