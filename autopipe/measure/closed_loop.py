@@ -81,11 +81,13 @@ def refine(plan: PartitionPlan, *, groups: int,
         ratio = plan.measured_imbalance or 1.0
         log.append({"round": r, "measured_max": max(measured), "measured_imbalance": ratio,
                     "times": measured, "stage_starts": [stage.nodes[0] for stage in plan.stages]})
+        if r == 0:
+            first_total = sum(measured)
         if r == 0 or ratio < (best.measured_imbalance or 1.0):
             best = plan
         if ratio <= target or r == rounds:
             break
-        pace = sum(log[0]["times"]) / sum(measured)  # type: ignore[arg-type]
+        pace = first_total / sum(measured)
         for by_group, t in zip(planned(plan), measured):
             row = np.zeros(groups + 1)
             for k, seconds in by_group.items():
@@ -138,7 +140,8 @@ def move_boundaries(plan: PartitionPlan, *, order: Sequence[str], allowed: Seque
                 timed = [float(t) for t in measure(candidate, stages)]
                 left -= 1
                 if whole_plans:  # this timing at the pace of the current plan's: a move moves no work away
-                    timed = [t * sum(times) / sum(timed) for t in timed]
+                    pace = sum(times) / sum(timed)
+                    timed = [t * pace for t in timed]
                 kept = max(t for t, j in zip(timed, stages) if j in (i, i + 1)) < times[slow]
                 log.append({"move": moves - left, "stages": stages, "measured": timed, "kept": kept,
                             "stage_starts": [order[k] for k in new]})

@@ -34,7 +34,6 @@ class StageTiming:
         return self.forward + self.backward
 
 
-
 class StageRun:
     """One prepared stage on its inputs, ready to be timed. The first forward and backward (which
     compile and capture) run on construction, on the process's cores; ``outputs`` (detached)
