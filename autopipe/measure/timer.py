@@ -37,8 +37,8 @@ the stages read slower the later they came. A stage timed in a slow spell looks 
 is, and the cut moves work away from it.
 A round of every stage in turn does not outlast it either: on an H100 host, a 4-stage
 plan of ResNet-50 at 32 images read 5.45, 5.55, 5.62 and 5.07 ms in one timing and 8.08, 8.40,
-8.27 and 5.18 a minute later, each stage keeping its fastest of five rounds; in five of twelve
-eager plans of the two ResNets, two such timings parted by more than the balance target.
+8.27 and 5.18 a minute later, each stage keeping its fastest of five rounds; in four of twelve
+eager plans of the two ResNets, two such timings parted by more than 0.05 in max/mean.
 So such plans are timed in sweeps ([Note: timing sweeps]).
 
 [Note: timing sweeps]
