@@ -286,10 +286,10 @@ def test_boundary_moves_balance_by_timing_two_stages_at_a_time():
     assert again is out and len(timed) == len(moves)
 
 
-def test_boundary_moves_judge_whole_plans_when_the_pace_changes():
-    """``whole_plans``: every stage of a moved plan is timed together and the move is kept by the
-    plan's own max/mean. Each timing here runs at its own pace (1x-1.8x); pairs of stages judged
-    against times from other timings keep moves that do not help, whole plans do not."""
+def test_boundary_moves_judge_both_plans_in_one_timing_when_the_pace_changes():
+    """``paired``: the current plan and the moved one are timed together, and the move is kept by
+    that one timing. Each timing here runs at its own pace (1x-1.8x); pairs of stages judged
+    against times from other timings keep moves that do not help, paired timings do not."""
     traced = trace(timm_vit(depth=8), (torch.randn(4, 3, 32, 32),))
     measured, *_ = _synthetic(traced)
     order = [n.name for n in traced.gm.graph.nodes if n.op != "output"]
@@ -301,29 +301,49 @@ def test_boundary_moves_judge_whole_plans_when_the_pace_changes():
     def true(stage):
         return sum(base.get(n, 0.0) * weight[n] for n in stage.nodes)
 
-    def balance(whole_plans):
+    def balance(pair):
         gen = torch.Generator().manual_seed(3)
         plan = plan_stages(traced, 4, device="h100", measured=measured)
         for stage in plan.stages:
             stage.measured_time = true(stage)
-        timed = []
+        calls = []
+
+        def pace():
+            return 1.0 + 0.8 * float(torch.rand((), generator=gen))
 
         def measure(p, stages):
-            timed.append(list(stages))
-            pace = 1.0 + 0.8 * float(torch.rand((), generator=gen))
-            return [pace * true(p.stages[i]) for i in stages]
+            calls.append(("measure", p))
+            at = pace()
+            return [at * true(p.stages[i]) for i in stages]
+
+        def paired(p, q):
+            calls.append(("paired", p, q))
+            at = pace()
+            return [at * true(s) for s in p.stages], [at * true(s) for s in q.stages]
 
         out = move_boundaries(plan, order=order, allowed=allowed, seconds=[base.get(n, 0.0) for n in order],
-                              measure=measure, target=1.0, moves=16, whole_plans=whole_plans,
+                              measure=measure, target=1.0, moves=16, paired=paired if pair else None,
                               cut_at=lambda starts: partition_at(traced, starts, device="h100", measured=measured))
         truth = [true(s) for s in out.stages]
-        return max(truth) / (sum(truth) / 4), timed
+        return max(truth) / (sum(truth) / 4), calls, out
 
-    whole, timed = balance(True)
-    assert timed and all(t == [0, 1, 2, 3] for t in timed)  # every stage, every time
-    assert whole <= floor + 0.04
-    pairs, _ = balance(False)
-    assert pairs > whole + 0.05
+    both, calls, out = balance(True)
+    assert calls and all(c[0] == "paired" for c in calls)  # never a timing of one plan alone
+    moves = [r for r in out.refinement if "move" in r]
+    assert len(moves) == len(calls)
+    kept = [k for k, r in enumerate(moves) if r["kept"]]
+    for k, r in enumerate(moves):  # the current plan of each timing: the last kept move's plan
+        current = calls[k][1]
+        assert r["stages"] == [0, 1, 2, 3] and len(r["current"]) == 4
+        assert [s.nodes[0] for s in current.stages] == (moves[max(x for x in kept if x < k)]["stage_starts"]
+                                                        if any(x < k for x in kept) else
+                                                        [s.nodes[0] for s in calls[0][1].stages])
+    # the kept plan's times are its own timing's, at that timing's pace
+    ratio = [s.measured_time / true(s) for s in out.stages]
+    assert max(ratio) == pytest.approx(min(ratio))
+    assert both <= floor + 0.04
+    pairs, _, _ = balance(False)
+    assert pairs > both + 0.05
 
 
 def test_measure_options_check_the_moves():
@@ -743,6 +763,48 @@ def test_stages_timed_in_sweeps(monkeypatch):
     out = timer.time_stages(traced, plan, setup)
     assert steps == [0, 1, 2, 2, 1, 0] * 3  # six sweeps, alternating
     assert [(out[i].forward, out[i].backward) for i in range(3)] == [(1.0, 2.0), (2.0, 4.0), (3.0, 6.0)]
+
+
+def test_two_plans_timed_in_the_same_sweeps(monkeypatch):
+    """[Note: paired timings]: a stage two plans share runs once and counts for both; the stages
+    that differ run beside their counterparts, in the same sweeps, and every time comes from the
+    same fastest sweeps."""
+    from autopipe.measure import timer
+
+    traced = _vit_traced()
+    order = [n.name for n in traced.gm.graph.nodes if n.op != "output"]
+    starts = segment_starts(traced, 3, "cpu")
+    plan = partition_at(traced, starts, device="cpu")
+    allowed = cut_candidates(traced)
+    moved = next(k for k in range(starts[2] - 1, starts[1], -1) if allowed[k - 1])
+    other = partition_at(traced, [starts[0], starts[1], moved], device="cpu")
+    assert other.stages[0].nodes == plan.stages[0].nodes and other.stages[2].nodes != plan.stages[2].nodes
+    made, steps = [], []
+    init = timer.StageRun.__init__
+
+    def making(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    def step(self):
+        steps.append(made.index(self))
+        sweep = (len(steps) - 1) // len(made)
+        scale = 2.0 if sweep % 2 else 1.0  # every other sweep in a slow spell
+        return 0.0, scale * len(self.stage.graph.nodes), scale * 3 * len(self.stage.graph.nodes)
+
+    monkeypatch.setattr(timer.StageRun, "__init__", making)
+    monkeypatch.setattr(timer.StageRun, "step", step)
+    a, b = timer.time_against(traced, plan, other, dataclasses.replace(CPU, passes=2, reps=2, warmup=1))
+    assert len(made) == 5  # the shared first stage once; the other two of each plan
+    first = steps[:5]
+    assert steps == (first + first[::-1]) * 2  # four sweeps, alternating
+    # made: the plan's three stages, then the other's stages 1 and 2; each runs beside its counterpart
+    assert first == [0, 1, 3, 2, 4]
+    nodes = [len(run.stage.graph.nodes) for run in made]
+    # every time from the fast sweeps (scale 1), the shared stage's the same for both plans
+    assert [(a[i].forward, a[i].backward) for i in range(3)] == [(n, 2 * n) for n in nodes[:3]]
+    assert [b[i].forward for i in range(3)] == [nodes[0], nodes[3], nodes[4]]
+    assert order.index(other.stages[2].nodes[0]) == moved
 
 
 def test_stages_that_do_not_fit_at_once_are_timed_one_at_a_time(monkeypatch):

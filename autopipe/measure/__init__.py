@@ -8,9 +8,12 @@ is what ``parallelize(costs="measured")`` and ``autopipe profile`` call; see
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from autopipe.errors import ConfigError, ProfileError
 from autopipe.partition.cuts import cut_candidates
@@ -24,7 +27,7 @@ from .cache import ProfileCache, default_cache_dir
 from .closed_loop import move_boundaries, refine
 from .pipeline_scale import stage_scale, stage_seconds
 from .profile import DEFAULT_SEGMENTS, _rank_world, _share, on_rank0, profile_graph, profile_key, segment_starts
-from .timer import RunSetup, StageTiming, device_name, time_stages
+from .timer import RunSetup, StageTiming, device_name, time_against, time_stages
 
 __all__ = ["MeasureOptions", "measured_plan", "profile_graph", "time_stages", "time_plan", "RunSetup", "stage_scale",
            "stage_seconds",
@@ -35,15 +38,15 @@ __all__ = ["MeasureOptions", "measured_plan", "profile_graph", "time_stages", "t
 @dataclass(frozen=True)
 class MeasureOptions:
     """How to measure: segments of the profile (None: DEFAULT_SEGMENTS for the mode), repetitions
-    per timing, the closed loop's max/mean target, re-cuts and boundary moves (each times two
-    stages; see [Note: boundary moves]), the cache directory (None: ``default_cache_dir()``;
+    per timing, the closed loop's max/mean target, re-cuts and boundary moves (each a timing; see
+    [Note: boundary moves]), the cache directory (None: ``default_cache_dir()``;
     ``cache=False`` times again every time), and ``stage_scale``: how much slower each stage ran
     inside a pipeline than alone, from :func:`stage_scale` of an earlier run (one factor per
     stage; the cut and the closed loop balance the scaled times, see [Note: stage scale]).
     ``pipeline_steps=n`` has ``parallelize`` find those factors itself first: it builds a
     stand-in pipeline of a copy of the model, records n steps of it, and cuts again.
-    ``passes`` times the plan's stages in that many rounds, each stage keeping its fastest (None:
-    5 for stages at the host's pace, 1 otherwise; see [Note: timing passes])."""
+    ``passes`` times the plan's stages in ``passes * reps`` sweeps (rounds under CUDA graphs; None:
+    the mode's default, see [Note: timing passes])."""
 
     segments: int | None = None
     reps: int = 10
@@ -105,6 +108,10 @@ def measured_plan(traced: TracedModel, setup: RunSetup, partition_args: dict[str
             return times
         return [t * float(scale[i]) for t, i in zip(times, range(p.num_stages) if stages is None else stages)]
 
+    def timed_against(p: PartitionPlan, other: PartitionPlan) -> tuple[list[float], list[float]]:
+        """Both plans' stages in one timing ([Note: paired timings]), on rank 0, sent to all."""
+        return on_rank0(lambda: _time_both(traced, p, other, timing, scale), group)
+
     def replan(factors: list[float]) -> PartitionPlan:
         seconds = {n: s * factors[group_of[n]] for n, s in measured.node_seconds.items()}
         return plan_stages(traced, measured=dataclasses.replace(measured, node_seconds=seconds), **partition_args)
@@ -124,7 +131,22 @@ def measured_plan(traced: TracedModel, setup: RunSetup, partition_args: dict[str
                            measure=timed,
                            cut_at=lambda starts: partition_at(traced, starts, measured=measured, **at_args),
                            target=options.target, moves=options.moves,
-                           whole_plans=not setup.mode.endswith("graphs"))
+                           paired=None if setup.mode.endswith("graphs") else timed_against)
+
+
+def _time_both(traced: TracedModel, plan: PartitionPlan, other: PartitionPlan, setup: RunSetup,
+               scale: tuple[float, ...] | None) -> tuple[list[float], list[float]]:
+    """Every stage of both plans, timed together; one after the other where they do not fit the
+    device at once. Scaled as the stages run in the pipeline where a scale is given."""
+    try:
+        a, b = time_against(traced, plan, other, setup)
+    except torch.cuda.OutOfMemoryError:
+        gc.collect()
+        torch.cuda.empty_cache()
+        a, b = time_stages(traced, plan, setup), time_stages(traced, other, setup)
+    factors = [1.0] * max(plan.num_stages, other.num_stages) if scale is None else [float(f) for f in scale]
+    return ([a[i].seconds * factors[i] for i in range(plan.num_stages)],
+            [b[i].seconds * factors[i] for i in range(other.num_stages)])
 
 
 def _groups(traced: TracedModel, measured: MeasuredCosts) -> dict[str, int]:

@@ -35,11 +35,11 @@ alone:
 - under CUDA graphs (the GPU's pace, steady) only the two stages a move changes are timed
   again, and the move is kept if the slower of them is now faster than the slower was before
   (the slowest stage never gets slower);
-- at the host's pace (``whole_plans``), which changes between one timing and the next, every
-  stage of the moved plan is timed together, and the timing is taken to the current plan's
-  pace (scaled to its total: a move moves work, it adds none) before the same test. Ratios
-  within one timing hold at any pace ([Note: timing sweeps] in timer.py); times from two
-  timings do not;
+- at the host's pace, which changes between one timing and the next and not alike for every
+  stage ([Note: paired timings] in timer.py), the moved plan and the current one are timed
+  together (``paired``): the stages they share once, the two the move changed beside their old
+  selves. The same test is made within that timing, and the current plan's times are that
+  timing's, so that no move is judged against times from another timing;
 - the moves stop when no boundary helps, at the target, or after ``moves`` timings.
 Every move is logged in ``plan.refinement`` after the rounds.
 """
@@ -52,7 +52,10 @@ import numpy as np
 from autopipe.errors import ConfigError
 from autopipe.partition.plan import PartitionPlan
 
-__all__ = ["refine", "move_boundaries", "PRIOR"]
+__all__ = ["refine", "move_boundaries", "PRIOR", "Paired"]
+
+# Times of every stage of two plans, taken together: (the first plan's, the second's).
+Paired = Callable[[PartitionPlan, PartitionPlan], tuple[Sequence[float], Sequence[float]]]
 
 PRIOR = 0.2  # pull of each group's factor towards 1, against equations of weight 1
 TRIES = 3  # positions tried for one boundary before the next boundary is
@@ -105,12 +108,13 @@ def refine(plan: PartitionPlan, *, groups: int,
 def move_boundaries(plan: PartitionPlan, *, order: Sequence[str], allowed: Sequence[bool],
                     seconds: Sequence[float], measure: Callable[[PartitionPlan, list[int]], Sequence[float]],
                     cut_at: Callable[[list[int]], PartitionPlan], target: float = 1.05,
-                    moves: int = 16, whole_plans: bool = False) -> PartitionPlan:
+                    moves: int = 16, paired: Paired | None = None) -> PartitionPlan:
     """See [Note: boundary moves]. ``plan``'s stages carry their measured times; ``order`` names
     the nodes in graph order, ``allowed[k]`` says whether a stage may start at node k + 1, and
     ``seconds[k]`` is node k's profiled time; ``measure(plan, stages)`` times those stages of
-    ``plan``; ``cut_at(starts)`` is the plan whose stages start at those node positions; with
-    ``whole_plans`` every stage of a moved plan is timed, at the current plan's pace."""
+    ``plan``; ``cut_at(starts)`` is the plan whose stages start at those node positions;
+    ``paired(plan, moved)``, where given, times every stage of both plans together and is used
+    instead of ``measure``."""
     position = {name: k for k, name in enumerate(order)}
     times = [s.measured_time for s in plan.stages]
     if any(t is None or t <= 0 for t in times) or any(n not in position for s in plan.stages for n in s.nodes):
@@ -136,14 +140,20 @@ def move_boundaries(plan: PartitionPlan, *, order: Sequence[str], allowed: Seque
                     break
                 tried.add(tuple(new))
                 candidate = cut_at(new)
-                stages = list(range(len(times))) if whole_plans else [i, i + 1]
-                timed = [float(t) for t in measure(candidate, stages)]
                 left -= 1
-                if whole_plans:  # this timing at the pace of the current plan's: a move moves no work away
-                    pace = sum(times) / sum(timed)
-                    timed = [t * pace for t in timed]
-                kept = max(t for t, j in zip(timed, stages) if j in (i, i + 1)) < times[slow]
-                log.append({"move": moves - left, "stages": stages, "measured": timed, "kept": kept,
+                entry: dict[str, object] = {"move": moves - left}
+                if paired is not None:  # both plans in one timing; the current plan's times from it
+                    now, timed = ([float(t) for t in ts] for ts in paired(plan, candidate))
+                    stages = list(range(len(times)))
+                    times[:] = now
+                    for stage, t in zip(plan.stages, times):
+                        stage.measured_time = t
+                    entry["current"] = now
+                else:
+                    stages = [i, i + 1]
+                    timed = [float(t) for t in measure(candidate, stages)]
+                kept = max(t for t, j in zip(timed, stages) if j in (i, i + 1)) < max(times[i], times[i + 1])
+                log.append({**entry, "stages": stages, "measured": timed, "kept": kept,
                             "stage_starts": [order[k] for k in new]})
                 if kept:
                     for k, t in zip(stages, timed):

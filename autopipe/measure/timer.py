@@ -63,6 +63,18 @@ stages read 1.13-1.86x their time in another timing of the same plan, every othe
 So they are timed in ``GRAPH_PASSES`` rounds: every stage on the device at once, each round
 timing each stage in turn (``reps`` back to back after ``warmup``, odd rounds from the last stage
 back), each stage keeping its fastest round.
+
+[Note: paired timings]
+Two timings run at two paces, and at the host's pace a slow spell does not slow every stage
+alike: it slows the stages whose host work outlasts their kernels (small maps: the last stages
+of a CNN) and leaves those over large maps as they were. On an H100 host, ResNet-50 at 128
+images in 8 stages, eager, two timings a boundary move apart (the first boundary moved; the
+third and the seventh stage the same in both) read the seventh stage 0.86x the third in one and
+1.40x in the other (results/2026-11-27-h100-measured-plans-eager-resnets-sweeps-pace.json);
+no scaling of one timing to the other's total makes them agree. So two plans that are to be
+compared are timed in the same sweeps (``time_against``): the stages they share run once and
+count for both, the others run beside their counterparts, and the comparison rests on one
+timing.
 """
 from __future__ import annotations
 
@@ -90,7 +102,7 @@ from autopipe.stages.emit import emit_stages
 from autopipe.stages.variants import boundary_values
 from autopipe.tracer import TracedModel
 
-__all__ = ["RunSetup", "StageTiming", "time_stages", "device_name", "default_passes", "WARM_SECONDS", "PASSES",
+__all__ = ["RunSetup", "StageTiming", "time_stages", "time_against", "device_name", "default_passes", "WARM_SECONDS", "PASSES",
            "GRAPH_PASSES", "SWEEPS_KEPT"]
 
 WARM_SECONDS = 0.05  # warm-up passes run at least this long (and at least RunSetup.warmup of them)
@@ -217,18 +229,8 @@ def _time_sweeps(traced: TracedModel, plan: PartitionPlan, setup: RunSetup, want
     """Every wanted stage prepared at once and timed in sweeps, each stage's times the medians
     over the fastest sweeps; see [Note: timing sweeps]."""
     runs = dict(_stage_runs(traced, plan, setup, wanted))
-    order = sorted(runs)
     try:
-        with pinned_host_threads(setup.device):
-            warm_until = time.perf_counter() + WARM_SECONDS
-            for n in itertools.count():
-                if n >= setup.warmup and time.perf_counter() >= warm_until:
-                    break
-                for i in order:
-                    runs[i].backward(*runs[i].forward())
-                runs[order[0]].clock.sync()
-            sweeps = _sweeps(runs, order, setup.timing_passes * setup.reps)
-        best = kept_sweeps(sweeps)
+        best = _swept(runs, setup)
         if kernels:
             best = {i: StageTiming(t.forward, t.backward, runs[i].node_times(setup)) for i, t in best.items()}
         return best
@@ -237,7 +239,49 @@ def _time_sweeps(traced: TracedModel, plan: PartitionPlan, setup: RunSetup, want
             run.close()
 
 
-def _sweeps(runs: dict[int, "StageRun"], order: list[int], count: int) -> list[dict[int, tuple[float, float]]]:
+def time_against(traced: TracedModel, plan: PartitionPlan, other: PartitionPlan,
+                 setup: RunSetup) -> tuple[dict[int, StageTiming], dict[int, StageTiming]]:
+    """Every stage of ``plan`` and of ``other``, timed in the same sweeps; a stage the two share
+    (the same nodes, receiving and sending the same values) runs once and counts for both. See
+    [Note: paired timings]."""
+    shared = {i for i in range(min(plan.num_stages, other.num_stages))
+              if _stage_key(plan, i) == _stage_key(other, i)}
+    runs: dict[tuple[int, int], StageRun] = {}
+    try:
+        runs.update(((i, 0), run) for i, run in _stage_runs(traced, plan, setup, set(range(plan.num_stages))))
+        own = set(range(other.num_stages)) - shared
+        runs.update(((i, 1), run) for i, run in _stage_runs(traced, other, setup, own))
+        best = _swept(runs, setup)
+    finally:
+        for run in runs.values():
+            run.close()
+    return ({i: best[i, 0] for i in range(plan.num_stages)},
+            {i: best[i, 0 if i in shared else 1] for i in range(other.num_stages)})
+
+
+def _stage_key(plan: PartitionPlan, i: int) -> tuple[object, ...]:
+    stage = plan.stages[i]
+    return (tuple(stage.nodes), tuple(c.name for c in stage.inputs), tuple(c.name for c in stage.outputs),
+            i == plan.num_stages - 1)
+
+
+def _swept(runs: dict[Any, StageRun], setup: RunSetup) -> dict[Any, StageTiming]:
+    """``runs`` warmed, then timed in ``passes * reps`` sweeps in the order of their keys
+    (alternating), each keeping the medians over the fastest sweeps ([Note: timing sweeps])."""
+    order = sorted(runs)
+    with pinned_host_threads(setup.device):
+        warm_until = time.perf_counter() + WARM_SECONDS
+        for n in itertools.count():
+            if n >= setup.warmup and time.perf_counter() >= warm_until:
+                break
+            for i in order:
+                runs[i].backward(*runs[i].forward())
+            runs[order[0]].clock.sync()
+        sweeps = _sweeps(runs, order, setup.timing_passes * setup.reps)
+    return kept_sweeps(sweeps)
+
+
+def _sweeps(runs: dict[Any, StageRun], order: list[Any], count: int) -> list[dict[Any, tuple[float, float]]]:
     """``count`` sweeps over ``runs``: per sweep, each stage's (forward, backward) seconds."""
     marks: list[dict[int, tuple[Any, Any, Any]]] = []
     gc_was_enabled = gc.isenabled()
@@ -253,7 +297,7 @@ def _sweeps(runs: dict[int, "StageRun"], order: list[int], count: int) -> list[d
             for sweep in marks]
 
 
-def kept_sweeps(sweeps: Sequence[dict[int, tuple[float, float]]], kept: float = SWEEPS_KEPT) -> dict[int, StageTiming]:
+def kept_sweeps(sweeps: Sequence[dict[Any, tuple[float, float]]], kept: float = SWEEPS_KEPT) -> dict[Any, StageTiming]:
     """Each stage's forward and backward: their medians over the fastest ``kept`` of ``sweeps``
     by total time, the same sweeps for every stage ([Note: timing sweeps])."""
     if not sweeps:
