@@ -24,7 +24,7 @@ from autopipe.stages import mlp_pieces, plan_stages
 from autopipe.tracer import TracedModel
 
 from .cache import ProfileCache, default_cache_dir
-from .closed_loop import move_boundaries, refine
+from .closed_loop import TARGET, move_boundaries, refine
 from .pipeline_scale import stage_scale, stage_seconds
 from .profile import DEFAULT_SEGMENTS, _rank_world, _share, on_rank0, profile_graph, profile_key, segment_starts
 from .timer import RunSetup, StageTiming, device_name, time_against, time_stages
@@ -38,7 +38,7 @@ __all__ = ["MeasureOptions", "measured_plan", "profile_graph", "time_stages", "t
 @dataclass(frozen=True)
 class MeasureOptions:
     """How to measure: segments of the profile (None: DEFAULT_SEGMENTS for the mode), repetitions
-    per timing, the closed loop's max/mean target, re-cuts and boundary moves (each a timing; see
+    per timing, the closed loop's max/mean target (see [Note: closed loop]), re-cuts and boundary moves (each a timing; see
     [Note: boundary moves]), the cache directory (None: ``default_cache_dir()``;
     ``cache=False`` times again every time), and ``stage_scale``: how much slower each stage ran
     inside a pipeline than alone, from :func:`stage_scale` of an earlier run (one factor per
@@ -52,7 +52,7 @@ class MeasureOptions:
     reps: int = 10
     warmup: int = 2
     passes: int | None = None
-    target: float = 1.05
+    target: float = TARGET
     rounds: int = 3
     moves: int = 16
     cache: bool = True

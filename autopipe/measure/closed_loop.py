@@ -20,6 +20,12 @@ equations scaled to the first round's total, and the loop keeps the plan whose s
 is fastest at that common pace, i.e. whose measured max/mean is least (the slowest stage sets
 a pipeline's pace). It records every round in ``plan.refinement`` and the kept plan's stage
 times in ``StagePlan.measured_time``, and stops after ``rounds`` re-cuts.
+The loop aims under the bar a plan is held to: a plan that stops just under 1.05 in its last
+timing reads above it in the next one as often as not. At the host's pace (one H100, eager,
+ResNet-50/152, Swin-B, ViT-B/16 and ViT-L/16 at 32 and 128 images, 21 plans), a fresh timing
+of the kept plan read 0.002 above the loop's last one in the median, up to 0.026 in 20 of 21
+and 0.09 in one (benchmarks/results/2026-11-27-h100-measured-plans-eager-resnets-paired.json,
+-transformers-paired.json). So the default ``TARGET`` is 1.03, not 1.05.
 
 [Note: boundary moves]
 Corrections by segment assume a stage costs the sum of its parts, and a re-cut moves every
@@ -52,20 +58,21 @@ import numpy as np
 from autopipe.errors import ConfigError
 from autopipe.partition.plan import PartitionPlan
 
-__all__ = ["refine", "move_boundaries", "PRIOR", "Paired"]
+__all__ = ["refine", "move_boundaries", "PRIOR", "Paired", "TARGET"]
 
 # Times of every stage of two plans, taken together: (the first plan's, the second's).
 Paired = Callable[[PartitionPlan, PartitionPlan], tuple[Sequence[float], Sequence[float]]]
 
 PRIOR = 0.2  # pull of each group's factor towards 1, against equations of weight 1
 TRIES = 3  # positions tried for one boundary before the next boundary is
+TARGET = 1.03  # the max/mean the loop stops at by default: under 1.05 by the spread of one timing
 
 
 def refine(plan: PartitionPlan, *, groups: int,
            planned: Callable[[PartitionPlan], list[dict[int, float]]],
            measure: Callable[[PartitionPlan], Sequence[float]],
            replan: Callable[[list[float]], PartitionPlan],
-           target: float = 1.05, rounds: int = 3) -> PartitionPlan:
+           target: float = TARGET, rounds: int = 3) -> PartitionPlan:
     """See [Note: closed loop]. ``planned(plan)`` gives, per stage, the profiled seconds of its
     nodes by group; ``measure(plan)`` each stage's measured seconds (forward + backward, one
     micro-batch); ``replan(factors)`` cuts the graph again with each group's seconds scaled."""
@@ -107,7 +114,7 @@ def refine(plan: PartitionPlan, *, groups: int,
 
 def move_boundaries(plan: PartitionPlan, *, order: Sequence[str], allowed: Sequence[bool],
                     seconds: Sequence[float], measure: Callable[[PartitionPlan, list[int]], Sequence[float]],
-                    cut_at: Callable[[list[int]], PartitionPlan], target: float = 1.05,
+                    cut_at: Callable[[list[int]], PartitionPlan], target: float = TARGET,
                     moves: int = 16, paired: Paired | None = None) -> PartitionPlan:
     """See [Note: boundary moves]. ``plan``'s stages carry their measured times; ``order`` names
     the nodes in graph order, ``allowed[k]`` says whether a stage may start at node k + 1, and
