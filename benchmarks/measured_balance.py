@@ -47,6 +47,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from autopipe.measure import MeasureOptions, ProfileCache, RunSetup, measured_plan, profile_graph, time_plan  # noqa: E402
+from autopipe.measure.host_pace import PACE  # noqa: E402
 from autopipe.measure.timer import device_name  # noqa: E402
 from autopipe.models import default_input, load_model  # noqa: E402
 from autopipe.partition.balance import least_imbalance  # noqa: E402
@@ -122,6 +123,7 @@ def run_case(name: str, traced: Any, mb: int, mode: str, layouts: tuple, reps: i
                 "loop_rounds": sum("round" in r for r in plan.refinement),
                 "loop_moves": sum("move" in r for r in plan.refinement), "loop_seconds": loop_s,
                 "loop": plan.refinement, "mlp_pieces": bool(plan.mlp_pieces)}
+        row["host_pace"] = PACE.summary()  # the probes so far in this process ([Note: host pace])
         rows.append(row)
         _print_row(row)
     return rows
@@ -146,6 +148,10 @@ def _print_row(row: dict[str, Any]) -> None:
             cells.append(f"{kind} {r['modelled_imbalance']:.3f}->{r['measured_imbalance']:.3f}")
     if "measured" in row:
         cells.append(f"calib err {row['measured']['calibration_error']:.3f}  floor {row['floor']:.3f}")
+        cells.append(f"loop {row['measured']['loop_imbalance']:.3f}")
+    pace = row.get("host_pace", {})
+    if pace.get("timings"):
+        cells.append(f"waited {pace['waited']}/{pace['timings']} short {pace['short']}")
     print("  ".join(cells), flush=True)
 
 

@@ -734,6 +734,17 @@ def test_the_kept_sweeps_are_the_fastest_and_the_same_for_every_stage():
         kept_sweeps([])
 
 
+def _steady_host(monkeypatch, probes=None):
+    """A host whose probes read ``probes`` in turn (default: always the same pace)."""
+    from autopipe.measure import host_pace, timer
+
+    pace = host_pace.HostPace()
+    read = iter(probes) if probes is not None else None
+    monkeypatch.setattr(pace, "probe", lambda device: 1.0 if read is None else next(read))
+    monkeypatch.setattr(timer, "PACE", pace)
+    return pace
+
+
 def test_stages_timed_in_sweeps(monkeypatch):
     """Every stage is prepared before the first sweep; the sweeps go forwards and backwards in
     turn, ``passes * reps`` of them after the warm-up; the stages' times come from the fastest
@@ -757,6 +768,7 @@ def test_stages_timed_in_sweeps(monkeypatch):
         scale = 2.0 if sweep % 3 else 1.0  # two of three sweeps in a slow spell
         return 0.0, scale * (i + 1), scale * (i + 1) * 3
 
+    _steady_host(monkeypatch)
     monkeypatch.setattr(timer.StageRun, "__init__", making)
     monkeypatch.setattr(timer.StageRun, "step", step)
     setup = dataclasses.replace(CPU, passes=3, reps=2, warmup=1)
@@ -792,6 +804,7 @@ def test_two_plans_timed_in_the_same_sweeps(monkeypatch):
         scale = 2.0 if sweep % 2 else 1.0  # every other sweep in a slow spell
         return 0.0, scale * len(self.stage.graph.nodes), scale * 3 * len(self.stage.graph.nodes)
 
+    _steady_host(monkeypatch)
     monkeypatch.setattr(timer.StageRun, "__init__", making)
     monkeypatch.setattr(timer.StageRun, "step", step)
     a, b = timer.time_against(traced, plan, other, dataclasses.replace(CPU, passes=2, reps=2, warmup=1))
@@ -805,6 +818,64 @@ def test_two_plans_timed_in_the_same_sweeps(monkeypatch):
     assert [(a[i].forward, a[i].backward) for i in range(3)] == [(n, 2 * n) for n in nodes[:3]]
     assert [b[i].forward for i in range(3)] == [nodes[0], nodes[3], nodes[4]]
     assert order.index(other.stages[2].nodes[0]) == moved
+
+
+def test_a_timing_waits_out_a_slow_spell_of_the_host(monkeypatch):
+    """[Note: host pace]: sweeps whose probe reads the host off its pace are not kept, and a timing
+    with too few sweeps at pace sweeps again, up to MORE_SWEEPS times as many, before it takes the
+    sweeps of the fastest probes."""
+    from autopipe.measure import host_pace, timer
+
+    traced = _vit_traced()
+    plan = partition_at(traced, segment_starts(traced, 2, "cpu"), device="cpu")
+    setup = dataclasses.replace(CPU, passes=3, reps=2, warmup=1)  # 6 sweeps, 2 kept
+    state = {"slow": True}
+    init = timer.StageRun.__init__
+    made = []
+
+    def making(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    def step(self):  # a slow spell slows the second stage (its host work) and not the first
+        t = 1.0 if made.index(self) == 0 else (3.0 if state["slow"] else 2.0)
+        return 0.0, t, 2 * t
+
+    monkeypatch.setattr(timer.StageRun, "__init__", making)
+    monkeypatch.setattr(timer.StageRun, "step", step)
+    # the process has seen the host at its pace (probe 1.0); this timing starts in a spell (1.5)
+    probes = iter([1.5] * 6 + [1.5] * 3 + [1.0] * 3 + [1.0] * 6)
+
+    def probe(device):
+        p = next(probes)
+        state["slow"] = p > 1.2
+        return p
+
+    pace = _steady_host(monkeypatch)
+    pace.seen = [1.0] * 50
+    monkeypatch.setattr(pace, "probe", probe)
+    out = timer.time_stages(traced, plan, setup)
+    assert len([1 for _ in made]) == 2
+    assert (out[0].forward, out[1].forward) == (1.0, 2.0)  # the stages as the host runs them at pace
+    assert (pace.timings, pace.waited, pace.short) == (1, 1, 0)
+    assert len(pace.seen) == 50 + 12  # two batches of six sweeps: the second reached the pace
+    # a spell that outlasts every sweep: MORE_SWEEPS batches more, then the fastest probes
+    made.clear()
+    probes = iter([1.5] * 6 * (1 + host_pace.MORE_SWEEPS))
+    out = timer.time_stages(traced, plan, setup)
+    assert out[1].forward == 3.0 and (pace.timings, pace.waited, pace.short) == (2, 2, 1)
+    with pytest.raises(StopIteration):
+        next(probes)  # every batch was swept
+
+
+def test_the_kept_sweeps_at_pace():
+    from autopipe.measure.timer import kept_sweeps
+
+    fast, slow = {0: (1.0, 1.0)}, {0: (0.5, 0.5)}  # a sweep that reads fast off pace is not kept
+    out = kept_sweeps([slow, fast, fast, slow, fast, fast], at_pace=[False, True, True, False, True, True])
+    assert out[0].forward == 1.0
+    # too few sweeps at pace: the fastest of all
+    assert kept_sweeps([slow, fast, slow, slow], at_pace=[False, False, False, True])[0].forward == 0.5
 
 
 def test_stages_that_do_not_fit_at_once_are_timed_one_at_a_time(monkeypatch):

@@ -120,7 +120,11 @@ def test_the_closed_loop_compares_scaled_times(monkeypatch):
         alone[id(plan)] = times
         return times if stages is None else [times[i] for i in stages]
 
+    def fake_time_both(traced_, plan, other, setup, scale):  # boundary moves time two plans together
+        return tuple([t * f for t, f in zip(fake_time_plan(traced_, p, setup), scale)] for p in (plan, other))
+
     monkeypatch.setattr(measure_module, "time_plan", fake_time_plan)
+    monkeypatch.setattr(measure_module, "_time_both", fake_time_both)
     plans = {scale: measured_plan(traced, CPU, dict(pp=2, device="cpu"), measured=profile,
                                   options=MeasureOptions(reps=2, warmup=1, rounds=2, moves=4, stage_scale=scale))
              for scale in ((2.0, 1.0), (1.0, 2.0))}

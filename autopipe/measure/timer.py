@@ -51,6 +51,8 @@ and the stages compare within a sweep as they compare in a pipeline. The plan is
 ``passes * reps`` sweeps after untimed ones (``warmup`` and ``WARM_SECONDS``); the fastest
 ``SWEEPS_KEPT`` of them by their total time, when the host kept up, are kept, and each stage's
 forward and backward are their medians over the kept sweeps: the same sweeps for every stage.
+Spells that outlast a timing are waited out where they can be ([Note: host pace]): the kept
+sweeps are the fastest of those at the host's pace.
 Stages that do not fit the device at once (an out-of-memory error) are timed one at a time, the
 whole plan ``passes`` times over, each stage keeping its fastest pass. CPU stages are timed once,
 one at a time.
@@ -91,6 +93,7 @@ import torch
 import torch.nn as nn
 
 from autopipe.errors import ProfileError
+from autopipe.measure.host_pace import MORE_SWEEPS, PACE
 from autopipe.measure.stage_run import StageRun, StageTiming
 from autopipe.memory_format import boundary_layout, channels_last_model
 from autopipe.partition.device import EXECUTION_MODES, _materialise
@@ -267,8 +270,10 @@ def _stage_key(plan: PartitionPlan, i: int) -> tuple[object, ...]:
 
 def _swept(runs: dict[Any, StageRun], setup: RunSetup) -> dict[Any, StageTiming]:
     """``runs`` warmed, then timed in ``passes * reps`` sweeps in the order of their keys
-    (alternating), each keeping the medians over the fastest sweeps ([Note: timing sweeps])."""
+    (alternating), more while the host is off its pace ([Note: host pace]), each keeping the
+    medians over the fastest sweeps at pace ([Note: timing sweeps])."""
     order = sorted(runs)
+    count = setup.timing_passes * setup.reps
     with pinned_host_threads(setup.device):
         warm_until = time.perf_counter() + WARM_SECONDS
         for n in itertools.count():
@@ -277,33 +282,54 @@ def _swept(runs: dict[Any, StageRun], setup: RunSetup) -> dict[Any, StageTiming]
             for i in order:
                 runs[i].backward(*runs[i].forward())
             runs[order[0]].clock.sync()
-        sweeps = _sweeps(runs, order, setup.timing_passes * setup.reps)
-    return kept_sweeps(sweeps)
+        sweeps, probes = _sweeps(runs, order, count, setup.device)
+        for _ in range(MORE_SWEEPS):
+            if sum(PACE.at_pace(probes)) >= _kept_count(count):
+                break
+            more, more_probes = _sweeps(runs, order, count, setup.device)
+            sweeps, probes = sweeps + more, probes + more_probes
+    at_pace = PACE.at_pace(probes)
+    PACE.record(probes, waited=len(sweeps) > count, short=sum(at_pace) < _kept_count(count))
+    return kept_sweeps(sweeps, at_pace=at_pace, count=count)
 
 
-def _sweeps(runs: dict[Any, StageRun], order: list[Any], count: int) -> list[dict[Any, tuple[float, float]]]:
-    """``count`` sweeps over ``runs``: per sweep, each stage's (forward, backward) seconds."""
-    marks: list[dict[int, tuple[Any, Any, Any]]] = []
+def _sweeps(runs: dict[Any, StageRun], order: list[Any], count: int,
+            device: torch.device) -> tuple[list[dict[Any, tuple[float, float]]], list[float]]:
+    """``count`` sweeps over ``runs``: per sweep, each stage's (forward, backward) seconds; and
+    each sweep's probe of the host's pace ([Note: host pace])."""
+    marks: list[dict[Any, tuple[Any, Any, Any]]] = []
+    probes: list[float] = []
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
         for s in range(count):
+            probes.append(PACE.probe(device))
             marks.append({i: runs[i].step() for i in (reversed(order) if s % 2 else order)})
         runs[order[0]].clock.sync()
     finally:
         if gc_was_enabled:
             gc.enable()
     return [{i: (runs[i].clock.seconds(a, b), runs[i].clock.seconds(b, c)) for i, (a, b, c) in sweep.items()}
-            for sweep in marks]
+            for sweep in marks], probes
 
 
-def kept_sweeps(sweeps: Sequence[dict[Any, tuple[float, float]]], kept: float = SWEEPS_KEPT) -> dict[Any, StageTiming]:
-    """Each stage's forward and backward: their medians over the fastest ``kept`` of ``sweeps``
-    by total time, the same sweeps for every stage ([Note: timing sweeps])."""
+def _kept_count(count: int, kept: float = SWEEPS_KEPT) -> int:
+    return max(1, math.ceil(kept * count))
+
+
+def kept_sweeps(sweeps: Sequence[dict[Any, tuple[float, float]]], kept: float = SWEEPS_KEPT, *,
+                at_pace: Sequence[bool] | None = None, count: int | None = None) -> dict[Any, StageTiming]:
+    """Each stage's forward and backward: their medians over the fastest ``kept`` of ``count``
+    sweeps (default: all of them) by total time, the same sweeps for every stage ([Note: timing
+    sweeps]); with ``at_pace``, taken from the sweeps at the host's pace where there are enough
+    of them ([Note: host pace])."""
     if not sweeps:
         raise ProfileError("no sweeps to keep: time at least one sweep (passes * reps >= 1)")
-    fastest = sorted(sweeps, key=lambda sweep: sum(f + b for f, b in sweep.values()))
-    fastest = fastest[:max(1, math.ceil(kept * len(sweeps)))]
+    wanted = _kept_count(len(sweeps) if count is None else count, kept)
+    pool = list(sweeps)
+    if at_pace is not None and sum(at_pace) >= wanted:
+        pool = [s for s, ok in zip(sweeps, at_pace) if ok]
+    fastest = sorted(pool, key=lambda sweep: sum(f + b for f, b in sweep.values()))[:wanted]
     return {i: StageTiming(statistics.median(s[i][0] for s in fastest), statistics.median(s[i][1] for s in fastest))
             for i in fastest[0]}
 

@@ -1,0 +1,77 @@
+"""The host's pace, read by a probe before every sweep, so that stages are timed at the pace the
+host keeps when nothing slows it.
+
+[Note: host pace]
+At the host's pace a slow spell slows some stages and not others ([Note: paired timings] in
+timer.py), and it can outlast a whole timing: on an H100 host, ResNet-50 at 128 images in 8
+stages, eager, three timings in a row of one plan read its last four stages 6.3-7.3 ms, where
+the loop had timed them at 4.7-4.8 a minute before; the first four read 5.0-5.5 in all of them
+(benchmarks/results/2026-11-27-h100-measured-plans-eager-resnets-aim.json). A plan balanced in
+one spell is off by 0.15-0.2 in the next, and no choice among the sweeps of a timing that fell
+wholly in a spell can undo it.
+So every sweep starts with a probe: ``PROBE_OPS`` in-place additions on a one-element tensor
+on the device, their host seconds the sweep's pace (what slows the host, Python, dispatch and
+launches, slows the probe: it is the host work of a stage in small). The process keeps the
+probes it has seen; the reference is their lowest decile. A sweep is at pace when its probe is
+within ``TOLERANCE`` of the reference. A timing whose sweeps are not at pace often enough goes
+on sweeping, up to ``MORE_SWEEPS`` times as many again, to wait a spell out; the stages' times
+come from the sweeps at pace (timer.kept_sweeps), or, where too few were, from those of the
+fastest probes.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["HostPace", "PACE", "PROBE_OPS", "TOLERANCE", "MORE_SWEEPS"]
+
+PROBE_OPS = 32  # operations a probe issues
+TOLERANCE = 0.15  # a sweep whose probe is within this of the reference is at pace
+MORE_SWEEPS = 3  # a timing goes on for at most this many times its sweeps, waiting for the pace
+KEPT_PROBES = 20_000  # probes remembered, the latest
+
+
+@dataclass
+class HostPace:
+    """Probes of the host's pace seen in this process ([Note: host pace])."""
+
+    seen: list[float] = field(default_factory=list)
+    timings: int = 0  # timings that read the pace
+    waited: int = 0  # of them, those that swept more to wait for it
+    short: int = 0  # of them, those that had too few sweeps at pace even then
+    _scratch: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def probe(self, device: torch.device) -> float:
+        """Host seconds to issue ``PROBE_OPS`` small operations on ``device``."""
+        x = self._scratch.get(str(device))
+        if x is None:
+            x = self._scratch[str(device)] = torch.zeros(1, device=device)
+        begin = time.perf_counter()
+        for _ in range(PROBE_OPS):
+            x.add_(1.0)
+        return time.perf_counter() - begin
+
+    def reference(self, probes: list[float] = ()) -> float:
+        """The lowest decile of the probes seen, with ``probes`` among them."""
+        every = sorted([*self.seen, *probes])
+        return every[len(every) // 10] if every else 0.0
+
+    def at_pace(self, probes: list[float]) -> list[bool]:
+        limit = self.reference(probes) * (1 + TOLERANCE)
+        return [p <= limit for p in probes]
+
+    def record(self, probes: list[float], *, waited: bool, short: bool) -> None:
+        self.seen = (self.seen + list(probes))[-KEPT_PROBES:]
+        self.timings += 1
+        self.waited += waited
+        self.short += short
+
+    def summary(self) -> dict[str, float]:
+        """What a benchmark reports: the reference probe and how often timings waited."""
+        return {"reference_us": self.reference() * 1e6, "timings": self.timings, "waited": self.waited,
+                "short": self.short}
+
+
+PACE = HostPace()  # the process's probes: the pace is the host's, whatever is timed
