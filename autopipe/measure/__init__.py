@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from autopipe.errors import ConfigError, ProfileError
+from autopipe.errors import ConfigError
 from autopipe.partition.cuts import cut_candidates
 from autopipe.partition.measured import MeasuredCosts
 from autopipe.partition.partitioner import partition_at

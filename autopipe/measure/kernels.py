@@ -29,7 +29,6 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
-import torch.nn as nn
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
