@@ -685,6 +685,21 @@ def test_cli_profile_then_report_with_it(tmp_path, monkeypatch, capsys):
 
 
 # ------------------------------------------------------------------------------ timing passes
+def _made_runs(monkeypatch) -> list:
+    """Every StageRun made from now on, in the order made."""
+    from autopipe.measure import timer
+
+    made = []
+    init = timer.StageRun.__init__
+
+    def making(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(timer.StageRun, "__init__", making)
+    return made
+
+
 def test_each_stage_keeps_its_fastest_round(monkeypatch):
     """[Note: timing passes]: every stage is prepared before the first timing, the rounds go
     forwards and backwards in turn, and each stage keeps its fastest round (forward and backward
@@ -693,14 +708,9 @@ def test_each_stage_keeps_its_fastest_round(monkeypatch):
 
     traced = _vit_traced()
     plan = partition_at(traced, segment_starts(traced, 3, "cpu"), device="cpu")
-    made, calls = [], []
+    made, calls = _made_runs(monkeypatch), []
     script = {0: [(3.0, 3.0), (1.0, 2.0), (2.0, 2.0)], 1: [(1.0, 1.0), (2.0, 2.0), (0.5, 2.0)],
               2: [(5.0, 5.0), (4.0, 4.0), (6.0, 1.0)]}
-    init = timer.StageRun.__init__
-
-    def making(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        made.append(self)
 
     def timing(self, setup, *, warm_seconds):
         i = made.index(self)
@@ -708,7 +718,6 @@ def test_each_stage_keeps_its_fastest_round(monkeypatch):
         calls.append((i, warm_seconds))
         return timer.StageTiming(*script[i][sum(c[0] == i for c in calls) - 1])
 
-    monkeypatch.setattr(timer.StageRun, "__init__", making)
     monkeypatch.setattr(timer.StageRun, "time", timing)
     out = timer._time_rounds(traced, plan, dataclasses.replace(CPU, passes=3), {0, 1, 2}, kernels=True)
     assert [c[0] for c in calls] == [0, 1, 2, 2, 1, 0, 0, 1, 2]
@@ -753,12 +762,7 @@ def test_stages_timed_in_sweeps(monkeypatch):
 
     traced = _vit_traced()
     plan = partition_at(traced, segment_starts(traced, 3, "cpu"), device="cpu")
-    made, steps = [], []
-    init = timer.StageRun.__init__
-
-    def making(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        made.append(self)
+    made, steps = _made_runs(monkeypatch), []
 
     def step(self):
         i = made.index(self)
@@ -769,7 +773,6 @@ def test_stages_timed_in_sweeps(monkeypatch):
         return 0.0, scale * (i + 1), scale * (i + 1) * 3
 
     _steady_host(monkeypatch)
-    monkeypatch.setattr(timer.StageRun, "__init__", making)
     monkeypatch.setattr(timer.StageRun, "step", step)
     setup = dataclasses.replace(CPU, passes=3, reps=2, warmup=1)
     out = timer.time_stages(traced, plan, setup)
@@ -791,12 +794,7 @@ def test_two_plans_timed_in_the_same_sweeps(monkeypatch):
     moved = next(k for k in range(starts[2] - 1, starts[1], -1) if allowed[k - 1])
     other = partition_at(traced, [starts[0], starts[1], moved], device="cpu")
     assert other.stages[0].nodes == plan.stages[0].nodes and other.stages[2].nodes != plan.stages[2].nodes
-    made, steps = [], []
-    init = timer.StageRun.__init__
-
-    def making(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        made.append(self)
+    made, steps = _made_runs(monkeypatch), []
 
     def step(self):
         steps.append(made.index(self))
@@ -805,7 +803,6 @@ def test_two_plans_timed_in_the_same_sweeps(monkeypatch):
         return 0.0, scale * len(self.stage.graph.nodes), scale * 3 * len(self.stage.graph.nodes)
 
     _steady_host(monkeypatch)
-    monkeypatch.setattr(timer.StageRun, "__init__", making)
     monkeypatch.setattr(timer.StageRun, "step", step)
     a, b = timer.time_against(traced, plan, other, dataclasses.replace(CPU, passes=2, reps=2, warmup=1))
     assert len(made) == 5  # the shared first stage once; the other two of each plan
@@ -830,18 +827,12 @@ def test_a_timing_waits_out_a_slow_spell_of_the_host(monkeypatch):
     plan = partition_at(traced, segment_starts(traced, 2, "cpu"), device="cpu")
     setup = dataclasses.replace(CPU, passes=3, reps=2, warmup=1)  # 6 sweeps, 2 kept
     state = {"slow": True}
-    init = timer.StageRun.__init__
-    made = []
-
-    def making(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        made.append(self)
+    made = _made_runs(monkeypatch)
 
     def step(self):  # a slow spell slows the second stage (its host work) and not the first
         t = 1.0 if made.index(self) == 0 else (3.0 if state["slow"] else 2.0)
         return 0.0, t, 2 * t
 
-    monkeypatch.setattr(timer.StageRun, "__init__", making)
     monkeypatch.setattr(timer.StageRun, "step", step)
     # the process has seen the host at its pace (probe 1.0); this timing starts in a spell (1.5)
     probes = iter([1.5] * 6 + [1.5] * 3 + [1.0] * 3 + [1.0] * 6)

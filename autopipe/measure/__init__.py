@@ -38,9 +38,9 @@ __all__ = ["MeasureOptions", "measured_plan", "profile_graph", "time_stages", "t
 @dataclass(frozen=True)
 class MeasureOptions:
     """How to measure: segments of the profile (None: DEFAULT_SEGMENTS for the mode), repetitions
-    per timing, the closed loop's max/mean target (see [Note: closed loop]), re-cuts and boundary moves (each a timing; see
-    [Note: boundary moves]), the cache directory (None: ``default_cache_dir()``;
-    ``cache=False`` times again every time), and ``stage_scale``: how much slower each stage ran
+    per timing, the closed loop's max/mean target (see [Note: closed loop]), re-cuts and
+    boundary moves (each a timing; see [Note: boundary moves]), the cache directory (None:
+    ``default_cache_dir()``; ``cache=False`` times again every time), and ``stage_scale``: how much slower each stage ran
     inside a pipeline than alone, from :func:`stage_scale` of an earlier run (one factor per
     stage; the cut and the closed loop balance the scaled times, see [Note: stage scale]).
     ``pipeline_steps=n`` has ``parallelize`` find those factors itself first: it builds a

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
@@ -53,16 +54,16 @@ class HostPace:
             x.add_(1.0)
         return time.perf_counter() - begin
 
-    def reference(self, probes: list[float] = ()) -> float:
+    def reference(self, probes: Sequence[float] = ()) -> float:
         """The lowest decile of the probes seen, with ``probes`` among them."""
         every = sorted([*self.seen, *probes])
         return every[len(every) // 10] if every else 0.0
 
-    def at_pace(self, probes: list[float]) -> list[bool]:
+    def at_pace(self, probes: Sequence[float]) -> list[bool]:
         limit = self.reference(probes) * (1 + TOLERANCE)
         return [p <= limit for p in probes]
 
-    def record(self, probes: list[float], *, waited: bool, short: bool) -> None:
+    def record(self, probes: Sequence[float], *, waited: bool, short: bool) -> None:
         self.seen = (self.seen + list(probes))[-KEPT_PROBES:]
         self.timings += 1
         self.waited += waited

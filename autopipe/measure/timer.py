@@ -105,8 +105,8 @@ from autopipe.stages.emit import emit_stages
 from autopipe.stages.variants import boundary_values
 from autopipe.tracer import TracedModel
 
-__all__ = ["RunSetup", "StageTiming", "time_stages", "time_against", "device_name", "default_passes", "WARM_SECONDS", "PASSES",
-           "GRAPH_PASSES", "SWEEPS_KEPT"]
+__all__ = ["RunSetup", "StageTiming", "time_stages", "time_against", "device_name", "default_passes",
+           "WARM_SECONDS", "PASSES", "GRAPH_PASSES", "SWEEPS_KEPT"]
 
 WARM_SECONDS = 0.05  # warm-up passes run at least this long (and at least RunSetup.warmup of them)
 PASSES = 5  # a plan whose stages run at the host's pace: PASSES * reps sweeps; see [Note: timing sweeps]
