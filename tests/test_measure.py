@@ -751,6 +751,7 @@ def _steady_host(monkeypatch, probes=None):
     read = iter(probes) if probes is not None else None
     monkeypatch.setattr(pace, "probe", lambda device: 1.0 if read is None else next(read))
     monkeypatch.setattr(timer, "PACE", pace)
+    monkeypatch.setattr(autopipe.measure, "PACE", pace)
     return pace
 
 
@@ -867,6 +868,28 @@ def test_the_kept_sweeps_at_pace():
     assert out[0].forward == 1.0
     # too few sweeps at pace: the fastest of all
     assert kept_sweeps([slow, fast, slow, slow], at_pace=[False, False, False, True])[0].forward == 0.5
+
+
+def test_the_plan_says_how_often_its_timings_waited_for_the_host(monkeypatch):
+    """The loop's timings that waited for the host's pace are counted in the plan's cost source
+    and named in its report ([Note: host pace])."""
+    from autopipe.partition.report import format_table
+
+    traced = _vit_traced()
+    pace = _steady_host(monkeypatch)
+    pace.seen = [1.0] * 100
+    profile = profile_graph(traced, CPU, segments=4)
+    probes = iter([1.5] * 4 + [1.0] * 10_000)  # the first timing's sweeps (2 x 2) in a spell
+    monkeypatch.setattr(pace, "probe", lambda device: next(probes))
+    plan = autopipe.measure.measured_plan(traced, CPU, dict(pp=2, device="cpu"), measured=profile,
+                                          options=MeasureOptions(reps=2, warmup=1, passes=2, target=1.0, rounds=1,
+                                                                 moves=0))
+    counts = plan.cost_source["host_pace"]
+    assert counts["timings"] == pace.timings == 2  # the loop's two timings, in sweeps
+    assert counts["waited"] == 1 and counts["short"] == 0
+    assert f"1 of {counts['timings']} timings waited for the host's pace" in format_table(plan)
+    plan.cost_source["host_pace"] = {"timings": 3, "waited": 0, "short": 0}
+    assert "host's pace" not in format_table(plan)  # said only where a timing waited
 
 
 def test_stages_that_do_not_fit_at_once_are_timed_one_at_a_time(monkeypatch):

@@ -27,6 +27,7 @@ from .cache import ProfileCache, default_cache_dir
 from .closed_loop import TARGET, move_boundaries, refine
 from .pipeline_scale import stage_scale, stage_seconds
 from .profile import DEFAULT_SEGMENTS, _rank_world, _share, on_rank0, profile_graph, profile_key, segment_starts
+from .host_pace import PACE
 from .timer import RunSetup, StageTiming, device_name, time_against, time_stages
 
 __all__ = ["MeasureOptions", "measured_plan", "profile_graph", "time_stages", "time_plan", "RunSetup", "stage_scale",
@@ -98,6 +99,19 @@ def measured_plan(traced: TracedModel, setup: RunSetup, partition_args: dict[str
     plan = plan_stages(traced, measured=measured, **partition_args)
     if not closed_loop:
         return plan
+    before = PACE.summary()
+    plan = _close_the_loop(traced, plan, setup, measured, partition_args, options, group)
+    # How often the loop's timings waited for the host's pace ([Note: host pace]), as rank 0 saw it.
+    plan.cost_source = dict(plan.cost_source, host_pace=on_rank0(
+        lambda: {k: PACE.summary()[k] - before[k] for k in ("timings", "waited", "short")}, group))
+    return plan
+
+
+def _close_the_loop(traced: TracedModel, plan: PartitionPlan, setup: RunSetup, measured: MeasuredCosts,
+                    partition_args: dict[str, Any], options: MeasureOptions, group: Any) -> PartitionPlan:
+    """``plan`` re-cut and its boundaries moved while its timed stages are unbalanced; see
+    [Note: closed loop] and [Note: boundary moves]."""
+    scale = options.stage_scale
     timing = dataclasses.replace(setup, reps=options.reps, warmup=options.warmup, passes=options.passes)
     group_of = _groups(traced, measured)
 

@@ -16,7 +16,8 @@ probes it has seen; the reference is their lowest decile. A sweep is at pace whe
 within ``TOLERANCE`` of the reference. A timing whose sweeps are not at pace often enough goes
 on sweeping, up to ``MORE_SWEEPS`` times as many again, to wait a spell out; the stages' times
 come from the sweeps at pace (timer.kept_sweeps), or, where too few were, from those of the
-fastest probes.
+fastest probes. A measured plan counts its loop's timings that waited, and those that never
+reached the pace, in ``cost_source["host_pace"]``, and its report says so.
 """
 from __future__ import annotations
 

@@ -143,11 +143,20 @@ def _source(plan: PartitionPlan) -> str:
     if src.get("source") == "measured":
         loop = f", {len(plan.refinement)} timing round{'s' if len(plan.refinement) != 1 else ''}" \
             if plan.refinement else ""
-        return f"costs measured on {src.get('device')} ({src.get('mode')}, {src.get('dtype')}{loop})"
+        return f"costs measured on {src.get('device')} ({src.get('mode')}, {src.get('dtype')}{loop}{_pace(src)})"
     if src.get("source") == "analytic":
         how = "calibrated" if src.get("calibrated") else "uncalibrated"
         return f"costs modelled ({src.get('profile')} {how}, {src.get('mode')})"
     return "costs modelled"
+
+
+def _pace(src: dict) -> str:
+    """How often the timings waited for the host's pace, where any did ([Note: host pace])."""
+    pace = src.get("host_pace") or {}
+    if not pace.get("waited"):
+        return ""
+    short = f", {pace['short']} never reached it" if pace.get("short") else ""
+    return f"; {pace['waited']} of {pace['timings']} timings waited for the host's pace{short}"
 
 
 def format_table(plan: PartitionPlan) -> str:
