@@ -72,7 +72,8 @@ def _imbalance(times: list[float]) -> float:
 
 
 def run_case(name: str, traced: Any, mb: int, mode: str, layouts: tuple, reps: int, plans: set[str],
-             device: str = "cuda", profiles: dict | None = None, retimes: int = 3) -> list[dict[str, Any]]:
+             device: str = "cuda", profiles: dict | None = None, retimes: int = 3,
+             on_row: Any = None) -> list[dict[str, Any]]:
     setup = RunSetup(torch.device(device), mode, torch.bfloat16, reps=reps)
     rows: list[dict[str, Any]] = []
     cache = ProfileCache(tempfile.mkdtemp(prefix="autopipe-bench-"))
@@ -126,6 +127,8 @@ def run_case(name: str, traced: Any, mb: int, mode: str, layouts: tuple, reps: i
         row["host_pace"] = PACE.summary()  # the probes so far in this process ([Note: host pace])
         rows.append(row)
         _print_row(row)
+        if on_row is not None:
+            on_row(row)
     return rows
 
 
@@ -201,6 +204,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     layouts = tuple(tuple(int(v) for v in x.split("x")) for x in args.layouts.split(","))
     rows: list[dict[str, Any]] = []
+
+    def save(kept: list[dict[str, Any]]) -> None:  # after every case: a run cut short keeps what it did
+        with open(args.out, "w") as f:
+            json.dump({"device": device_name(args.device), "torch": torch.__version__,
+                       "channels_last": args.channels_last, "command": " ".join(sys.argv),
+                       "date": datetime.date.today().isoformat(), "rows": kept}, f, indent=1)
+
     cal_nodes: list[dict[str, Any]] = []
     cal_segs: list[dict[str, Any]] = []
     for name in args.models.split(","):
@@ -219,11 +229,14 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             profiles: dict[str, Any] = {}
             for mode in args.modes.split(","):
+                pending: list[dict[str, Any]] = []  # this case's rows so far, saved as they come
                 try:
                     rows += run_case(name, traced, mb, mode, layouts, args.reps, set(args.plans.split(",")),
-                                     args.device, profiles, args.retimes)
+                                     args.device, profiles, args.retimes,
+                                     on_row=lambda row, kept=pending, done=rows: (kept.append(row), save(done + kept)))
                 except Exception as e:  # one case's failure is reported, and the others still run
                     traceback.print_exc()
+                    rows += pending
                     rows.append({"model": name, "microbatch": mb, "mode": mode, "error": f"{type(e).__name__}: {e}"})
                     print(f"{name} mb={mb} {mode}: {type(e).__name__}: {e}", flush=True)
                 gc.collect()
@@ -237,10 +250,7 @@ def main(argv: list[str] | None = None) -> int:
                 cal_nodes += n
                 cal_segs += [dict(x, nodes=[i + offset for i in x["nodes"]]) for x in s]
                 calibrate_device.write_rows(args.calibration_rows, cal_nodes, cal_segs, device_name(args.device))
-            with open(args.out, "w") as f:  # after every case: a run cut short keeps what it did
-                json.dump({"device": device_name(args.device), "torch": torch.__version__,
-                           "channels_last": args.channels_last, "command": " ".join(sys.argv),
-                           "date": datetime.date.today().isoformat(), "rows": rows}, f, indent=1)
+            save(rows)
     bad = failures(rows)
     print(f"{len(rows)} cases, {len(bad)} failures")
     for line in bad:
