@@ -13,7 +13,7 @@ import json
 import os
 from typing import Any, Mapping
 
-from autopipe.partition.measured import MeasuredCosts
+from autopipe.partition.measured import SCHEMA_VERSION, MeasuredCosts
 
 __all__ = ["ProfileCache", "default_cache_dir"]
 
@@ -29,7 +29,7 @@ class ProfileCache:
         self.directory = os.fspath(directory) if directory is not None else default_cache_dir()
 
     def path(self, key: Mapping[str, Any], segments: int) -> str:
-        digest = hashlib.sha256(json.dumps({**key, "segments": segments}, sort_keys=True).encode()).hexdigest()
+        digest = hashlib.sha256(json.dumps({**key, "segments": segments, "schema": SCHEMA_VERSION}, sort_keys=True).encode()).hexdigest()
         return os.path.join(self.directory, "profiles", f"{digest[:24]}.json")
 
     def load(self, key: Mapping[str, Any], segments: int) -> MeasuredCosts | None:

@@ -149,6 +149,8 @@ def node_times(stage: fx.GraphModule, inputs: Sequence[torch.Tensor], grads: Seq
             b_dev, b_host = b_dev + f_dev, b_host + f_host
         device_s[n], host_s[n] = (f_dev, b_dev), (f_host, b_host)
         counts[n] = (int(median("fwd", n, 2)), int(median("bwd", n, 2)))
+        if recompute:
+            counts[n] = (counts[n][0], counts[n][0] + counts[n][1])
     lost = tuple(statistics.median(p["lost"][i] for p in passes) * 1e-6 for i in range(2))
     return NodeTimes(device_s, host_s, counts, lost)  # type: ignore[arg-type]
 

@@ -12,8 +12,9 @@ the balancer cuts by, at node granularity, and the segments serve to share the w
 ranks, to bound the memory (one segment on the device at a time), and to measure what no
 node owns: the fixed cost of running a stage at all (its first launch, autograd's start, the
 cast of its outputs), the median over segments of what their timing exceeds their nodes by,
-and in eager mode the factor that turns the profiler's host times (which the profiler itself
-inflates) into the host times a stage spends. 16 segments by default. On a CPU the ops run
+and in eager mode the host's cost of launching a kernel and of running a node, which price the
+nodes through the launch queue ([Note: eager launch queue] in eager_host.py). 16 segments by
+default. On a CPU the ops run
 as they are called, so each segment's wall time is exact: the profiler's op times (which it
 inflates by a few us an op) only split it among the segment's nodes; the whole graph is also
 timed as one stage, and what the segments add up to beyond it is K - 1 stages' fixed cost.
@@ -38,6 +39,7 @@ from autopipe.partition.partitioner import analytic_seconds, partition_at
 from autopipe.tracer import TracedModel
 
 from .cache import ProfileCache
+from .eager_host import NodeWork, fit_launch_costs, queue_prices
 from .timer import RunSetup, StageTiming, device_name, time_stages
 
 __all__ = ["profile_graph", "segment_starts", "profile_key", "DEFAULT_SEGMENTS"]
@@ -182,19 +184,14 @@ def _share(work: Callable[[], dict[int, StageTiming]], group: Any, world: int) -
 def _from_kernels(plan: Any, timings: list[StageTiming], mode: str,
                   modelled: dict[str, float]) -> tuple[dict[str, float], float]:
     """Per-node seconds from the segments' kernel times, and the fixed cost of a stage; see
-    [Note: segments]."""
-    host_scale = _host_scale(plan, timings) if mode == "eager" else 0.0
+    [Note: segments] and, in eager mode, [Note: eager launch queue] (eager_host.py)."""
+    if mode == "eager":
+        return _eager_prices(plan, timings)
     seconds: dict[str, float] = {}
     excess = []
     for stage, timing in zip(plan.stages, timings):
         nodes = timing.nodes
-        own = {}
-        for n in stage.nodes:
-            f, b = nodes.device.get(n, (0.0, 0.0))
-            if mode == "eager":
-                hf, hb = nodes.host.get(n, (0.0, 0.0))
-                f, b = max(f, host_scale * hf), max(b, host_scale * hb)
-            own[n] = f + b
+        own = {n: sum(nodes.device.get(n, (0.0, 0.0))) for n in stage.nodes}
         # What no node claimed (gradient accumulation, ...) goes to the nodes by their share.
         lost = sum(nodes.unattributed)
         total = sum(own.values())
@@ -206,17 +203,24 @@ def _from_kernels(plan: Any, timings: list[StageTiming], mode: str,
     return seconds, max(statistics.median(excess), 0.0) if excess else 0.0
 
 
-def _host_scale(plan: Any, timings: list[StageTiming]) -> float:
-    """The factor on the profiler's host times that best predicts the eager segment timings as
-    the sum over nodes of max(device, factor x host), per direction (relative error)."""
-    best, best_err = 1.0, float("inf")
-    for scale in [i / 20 for i in range(1, 41)]:  # 0.05 .. 2.0
-        err = 0.0
-        for stage, timing in zip(plan.stages, timings):
-            nodes = timing.nodes
-            pred = sum(max(nodes.device.get(n, (0.0, 0.0))[d], scale * nodes.host.get(n, (0.0, 0.0))[d])
-                       for n in stage.nodes for d in (0, 1))
-            err += abs(pred - timing.seconds) / max(timing.seconds, 1e-12)
-        if err < best_err:
-            best, best_err = scale, err
-    return best
+def _eager_prices(plan: Any, timings: list[StageTiming]) -> tuple[dict[str, float], float]:
+    """Eager node prices: each segment's nodes replayed through the launch queue, with the launch
+    costs fitted on the segments' own timings ([Note: eager launch queue]); what no node claims
+    goes to the nodes by their price."""
+    work: dict[str, NodeWork] = {}
+    for timing in timings:
+        nodes = timing.nodes
+        for n, (f, b) in nodes.device.items():
+            hf, hb = nodes.host.get(n, (0.0, 0.0))
+            kf, kb = nodes.kernels.get(n, (0, 0))
+            work[n] = (f, b, kf, kb, kf > 0 or hf > 0, kb > 0 or hb > 0)
+    launch, fixed = fit_launch_costs(
+        [(stage.nodes, timing.seconds, sum(timing.nodes.unattributed)) for stage, timing in zip(plan.stages, timings)],
+        work)
+    seconds: dict[str, float] = {}
+    for stage, timing in zip(plan.stages, timings):
+        own = queue_prices(stage.nodes, work, launch)
+        total, lost = sum(own.values()), sum(timing.nodes.unattributed)
+        for n in stage.nodes:
+            seconds[n] = own[n] + (lost * own[n] / total if total > 0 else lost / len(stage.nodes))
+    return seconds, fixed

@@ -1,0 +1,106 @@
+"""What an eager stage's nodes cost when the host launches their kernels ahead of the device.
+
+[Note: eager launch queue]
+An eager stage is two clocks: the host walks the nodes (Python, dispatch, one launch per
+kernel) and the device runs the kernels in the order they were launched, each as soon as it
+is launched and the kernel before it has finished. Where the kernels are long (large maps)
+the host runs ahead and its work hides under them; where they are short (small maps, the
+last stages of a CNN, small micro-batches) the device waits for the host. So a node's price
+is neither its kernels' time nor its host time, nor the larger of the two node by node: the
+host work of a batch norm launched while a convolution runs costs nothing.
+
+The host side is read from the kernels a node launches, ``per_kernel`` seconds each, plus
+``per_node`` for any node that does work: the profiler's own host times are no use here (it
+inflates every op it records by a factor that differs from op to op). On an H100 host, fitted
+on each model's 16 profile segments (benchmarks/results/calibration/2026-11-2[67]-h100-nhwc-*
+rows, 11 models at 32 and 128 images, 352 segments), segments priced this way were within 10%
+of their eager timings in 80% of segments (median error 2.5%), against 63% (6.3%) for the
+larger of kernel and scaled profiler host time, node by node. ResNet-50 at 32 images: 2.3%
+median, against 14.5%; the old pricing put its first segments (stem, layer 1) at 1.5-2.5x
+their timings and its last ones short.
+
+The queue is replayed through a stage's nodes, forward in order then backward in reverse,
+from an idle device; a node's price is how far it moves the later of the two clocks. The
+prices of a segment add up to its replay exactly, so they are what the balancer cuts by; a
+stage cut elsewhere starts from an idle device, which its nodes' prices miss only by the
+backlog at its edges. The two host figures are fitted per profile on its own segment timings
+(``fit_launch_costs``), so the host the profile ran on sets them.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+__all__ = ["LaunchCosts", "NodeWork", "queue_prices", "fit_launch_costs", "PER_KERNEL_GRID", "PER_NODE_GRID"]
+
+PER_KERNEL_GRID = tuple(x * 1e-6 for x in range(0, 101, 5))  # seconds of host time a kernel launch takes
+PER_NODE_GRID = tuple(x * 1e-6 for x in range(0, 161, 10))  # seconds of host time a node that does work takes
+
+# A node's times: (device forward, device backward, kernels forward, kernels backward, works
+# forward, works backward); "works": it launched a kernel or spent host time at all.
+NodeWork = tuple[float, float, int, int, bool, bool]
+
+
+@dataclass(frozen=True)
+class LaunchCosts:
+    """The host's side of an eager stage ([Note: eager launch queue])."""
+
+    per_kernel: float
+    per_node: float
+
+    def host(self, kernels: int, works: bool) -> float:
+        return self.per_kernel * kernels + (self.per_node if works else 0.0)
+
+
+def queue_prices(nodes: Sequence[str], work: Mapping[str, NodeWork], launch: LaunchCosts) -> dict[str, float]:
+    """Each node's forward + backward seconds in a stage made of ``nodes`` (in graph order), replayed
+    as [Note: eager launch queue] says; they add up to the stage's replayed time."""
+    prices = dict.fromkeys(nodes, 0.0)
+    for name, step in _replay(_passes(nodes, work), launch):
+        prices[name] += step
+    return prices
+
+
+def fit_launch_costs(segments: Sequence[tuple[Sequence[str], float, float]],
+                     work: Mapping[str, NodeWork]) -> tuple[LaunchCosts, float]:
+    """The launch costs that best predict the segments' timings (least mean relative error), with
+    the fixed cost of a stage (the median of what the timings exceed their replay by) added to
+    every segment. ``segments``: (nodes in graph order, timed seconds, device seconds no node
+    claims). Returns the launch costs and that fixed cost."""
+    passes = [_passes(nodes, work) for nodes, _, _ in segments]
+    fits = []
+    for per_kernel in PER_KERNEL_GRID:
+        for per_node in PER_NODE_GRID:
+            launch = LaunchCosts(per_kernel, per_node)
+            replayed = [sum(step for _, step in _replay(p, launch)) + lost for p, (_, _, lost) in zip(passes, segments)]
+            fixed = max(statistics.median(t - r for r, (_, t, _) in zip(replayed, segments)), 0.0)
+            err = statistics.fmean(abs(r + fixed - t) / max(t, 1e-12) for r, (_, t, _) in zip(replayed, segments))
+            fits.append((err, per_kernel, per_node, fixed))
+    err, per_kernel, per_node, fixed = min(fits)
+    return LaunchCosts(per_kernel, per_node), fixed
+
+
+def _passes(nodes: Sequence[str], work: Mapping[str, NodeWork]) -> list[tuple[str, float, int, bool]]:
+    """(node, device seconds, kernels, works) in the order a stage runs them: forward, then backward."""
+    out = []
+    for d, order in ((0, nodes), (1, list(reversed(nodes)))):
+        for name in order:
+            w = work.get(name)
+            if w is not None:
+                out.append((name, w[d], w[2 + d], w[4 + d]))
+    return out
+
+
+def _replay(passes: Sequence[tuple[str, float, int, bool]], launch: LaunchCosts) -> list[tuple[str, float]]:
+    """How far each step of ``passes`` moves the later of the host's and the device's clock."""
+    host = device = clock = 0.0
+    steps = []
+    for name, seconds, kernels, works in passes:
+        host += launch.host(kernels, works)
+        if seconds > 0:
+            device = max(device, host) + seconds
+        later = max(host, device)
+        steps.append((name, later - clock))
+        clock = later
+    return steps

@@ -1,0 +1,90 @@
+"""Eager node prices through the launch queue ([Note: eager launch queue], measure/eager_host.py)."""
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from autopipe.measure import cache as cache_module
+from autopipe.measure.cache import ProfileCache
+from autopipe.measure.eager_host import LaunchCosts, fit_launch_costs, queue_prices
+from autopipe.measure.kernels import NodeTimes
+from autopipe.measure.profile import _eager_prices
+from autopipe.measure.stage_run import StageTiming
+
+US = 1e-6
+
+
+def _forward_only(devices: dict[str, float]) -> dict[str, tuple]:
+    return {n: (d, 0.0, 1, 0, True, False) for n, d in devices.items()}
+
+
+def test_host_work_hides_under_long_kernels():
+    launch = LaunchCosts(per_kernel=10 * US, per_node=0.0)
+    # A long kernel first: the host launches the next two while it runs, and they cost only
+    # their own kernels (the larger of kernel and host time, node by node, would say 120 us).
+    prices = queue_prices(["conv", "bn", "relu"], _forward_only({"conv": 100 * US, "bn": US, "relu": US}), launch)
+    assert prices == pytest.approx({"conv": 110 * US, "bn": US, "relu": US})
+    # Short kernels: the device waits for the host, and every node costs its launch.
+    prices = queue_prices(["a", "b", "c"], _forward_only({"a": US, "b": US, "c": US}), launch)
+    assert prices == pytest.approx({"a": 11 * US, "b": 10 * US, "c": 10 * US})
+
+
+def test_the_backward_runs_after_the_forward_in_reverse():
+    launch = LaunchCosts(per_kernel=0.0, per_node=5 * US)
+    work = {"a": (10 * US, 20 * US, 1, 1, True, True), "b": (0.0, 0.0, 0, 0, False, False),
+            "c": (10 * US, 30 * US, 1, 2, True, True)}
+    prices = queue_prices(["a", "b", "c"], work, launch)
+    # forward: a 5..15, c 15..25 (b is a view: no host time, no kernel); backward: c 25..55, a 55..75
+    assert prices == pytest.approx({"a": 15 * US + 20 * US, "b": 0.0, "c": 10 * US + 30 * US})
+    assert sum(prices.values()) == pytest.approx(75 * US)
+
+
+def _model(seed: int = 0, nodes: int = 64) -> dict[str, tuple]:
+    rng = random.Random(seed)
+    work = {}
+    for i in range(nodes):
+        long_kernels = i < nodes // 2  # large maps first, as in a CNN
+        f = rng.uniform(50, 400) * US if long_kernels else rng.uniform(2, 20) * US
+        kf, kb = rng.randint(1, 3), rng.randint(1, 4)
+        work[f"n{i}"] = (f, 2 * f, kf, kb, True, True)
+    return work
+
+
+def test_the_fit_finds_the_launch_costs_that_made_the_timings():
+    work, truth, fixed = _model(), LaunchCosts(per_kernel=20 * US, per_node=30 * US), 200 * US
+    names = list(work)
+    segments = [names[i:i + 8] for i in range(0, len(names), 8)]
+    timed = [(s, sum(queue_prices(s, work, truth).values()) + fixed, 0.0) for s in segments]
+    launch, found_fixed = fit_launch_costs(timed, work)
+    assert launch == LaunchCosts(pytest.approx(20 * US), pytest.approx(30 * US))
+    assert found_fixed == pytest.approx(fixed)
+
+
+def test_an_eager_profile_prices_each_segment_at_its_timing():
+    work, truth, fixed = _model(1), LaunchCosts(per_kernel=15 * US, per_node=40 * US), 150 * US
+    names = list(work)
+    stages = [SimpleNamespace(nodes=names[i:i + 16]) for i in range(0, len(names), 16)]
+    timings = []
+    for k, stage in enumerate(stages):
+        lost = (5 * US * k, 10 * US)
+        seconds = sum(queue_prices(stage.nodes, work, truth).values()) + fixed + sum(lost)
+        # The profiler's host times are off by a factor that differs node to node: not used.
+        nodes = NodeTimes({n: work[n][:2] for n in stage.nodes},
+                          {n: (random.uniform(1, 9) * 1e-3, 0.0) for n in stage.nodes},
+                          {n: work[n][2:4] for n in stage.nodes}, lost)
+        timings.append(StageTiming(seconds / 3, seconds * 2 / 3, nodes))
+    prices, found_fixed = _eager_prices(SimpleNamespace(stages=stages), timings)
+    assert found_fixed == pytest.approx(fixed)
+    for stage, timing in zip(stages, timings):
+        assert sum(prices[n] for n in stage.nodes) + found_fixed == pytest.approx(timing.seconds)
+    assert all(p >= 0 for p in prices.values())
+
+
+def test_a_profile_of_another_schema_is_profiled_again(tmp_path, monkeypatch):
+    cache = ProfileCache(tmp_path)
+    key = {"fingerprint": "f", "mode": "eager"}
+    before = cache.path(key, 16)
+    monkeypatch.setattr(cache_module, "SCHEMA_VERSION", cache_module.SCHEMA_VERSION + 1)
+    assert cache.path(key, 16) != before
