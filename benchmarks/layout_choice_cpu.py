@@ -18,7 +18,9 @@ timm ViT and a small torchvision ResNet, 32x32 images):
 3. every one of those layouts is built with ``parallelize`` (its pipeline cut by the profile the
    search priced it with, and kept so: no closed-loop re-cuts or moves) and timed: a train
    step and an AdamW step, median of 5 after 2 warm-up steps; every layout twice, in two passes
-   over them all, the lesser kept (the machine is shared: one pass may catch another's load).
+   over them all, the second in reverse order (a drift of the machine's pace through the run
+   falls on every layout alike), the lesser kept (the machine is shared: one pass may catch
+   another's load). Each timing keeps when it began and a pace probe taken before it.
 Targets (issue: automatic layout): every layout's predicted step time within 15% of its
 measured one, and the chosen layout within 5% of the best measured. Prints a table per model
 and the failures; exits 1 on any.
@@ -280,6 +282,41 @@ def _costs_for(layout: Any, size: int, profiles: list) -> Any:
     return next(p for p in profiles if p.input_shapes[0][0] == size and p.recompute == layout.recompute)
 
 
+def _pace_probe() -> float:
+    """Seconds of a fixed piece of work (a 256x256 matmul chain, about 10 ms), the slowest rank's:
+    the machine's pace when a layout is timed, kept beside its timing (not used in it)."""
+    a = torch.ones(256, 256) / 256
+    times = []
+    for _ in range(5):
+        begin = time.perf_counter()
+        b = a
+        for _ in range(8):
+            b = b @ a
+        times.append(time.perf_counter() - begin)
+    seconds = torch.tensor([statistics.median(times)])
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    return float(seconds)
+
+
+def _timed_passes(layouts: list, time_layout: Any, count: int) -> tuple[dict[str, list[float]], dict[str, list]]:
+    """Every layout of ``layouts`` timed ``count`` times, in passes over them all, odd passes in
+    reverse order. ``layouts`` come ranked by their predicted time; in one order only, a pace that
+    drifts through the run (the second pass of four earlier runs read a median 0.4-3.6% slower
+    than the first) would fall on the fast layouts one way and the slow ones the other. Reversed, the
+    layout timed first in one pass is timed last in the next: each layout's timings average to
+    the middle of the run. Returns each layout's times, and per timing (seconds since the first
+    timing began, the pace probe's seconds before it)."""
+    passes: dict[str, list[float]] = {}
+    clock: dict[str, list] = {}
+    start = time.perf_counter()
+    for k in range(count):  # the machine is shared: a pass may catch another's load
+        for layout in (layouts if k % 2 == 0 else layouts[::-1]):
+            began, pace = time.perf_counter() - start, _pace_probe()
+            passes.setdefault(str(layout), []).append(time_layout(layout))
+            clock.setdefault(str(layout), []).append([began, pace])
+    return passes, clock
+
+
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -340,24 +377,25 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any)
         shared = [result]
         dist.broadcast_object_list(shared, src=0)
         result = shared[0]
-        passes: dict[str, list[float]] = {}
-        for _ in range(args.passes):  # the machine is shared: a pass may catch another's load
-            for p in result.ranked:
-                layout: Layout = p.layout
-                size = layout.microbatch_size(args.batch)
-                torch.manual_seed(0)
-                pm = autopipe.parallelize(build(name), (torch.randn(size, 3, 32, 32),), loss_fn=F.cross_entropy,
-                                          device="cpu", costs=_costs_for(layout, size, profiles), measure=_as_priced(),
-                                          **layout.parallelize_kwargs())
-                per = args.batch // layout.dp
-                mine = slice(pm.dp_rank * per, (pm.dp_rank + 1) * per)
-                passes.setdefault(str(layout), []).append(_time_steps(pm, (x[mine], y[mine]), args.steps, 2))
-                pm.close()  # its groups and threads would slow the layouts timed after it
+        def time_layout(layout: Layout) -> float:
+            size = layout.microbatch_size(args.batch)
+            torch.manual_seed(0)
+            pm = autopipe.parallelize(build(name), (torch.randn(size, 3, 32, 32),), loss_fn=F.cross_entropy,
+                                      device="cpu", costs=_costs_for(layout, size, profiles), measure=_as_priced(),
+                                      **layout.parallelize_kwargs())
+            per = args.batch // layout.dp
+            mine = slice(pm.dp_rank * per, (pm.dp_rank + 1) * per)
+            seconds = _time_steps(pm, (x[mine], y[mine]), args.steps, 2)
+            pm.close()  # its groups and threads would slow the layouts timed after it
+            return seconds
+
+        passes, clock = _timed_passes([p.layout for p in result.ranked], time_layout, args.passes)
         for p in result.ranked:
             times = passes[str(p.layout)]
             measured = min(times)
             rows.append({"model": name, "layout": str(p.layout), "predicted": p.step_seconds, "measured": measured,
-                         "passes": times, "error": p.step_seconds / measured - 1, "parts": p.parts,
+                         "passes": times, "pass_clock": clock[str(p.layout)],
+                         "error": p.step_seconds / measured - 1, "parts": p.parts,
                          **({"collective_terms": terms[str(p.layout)]} if str(p.layout) in terms else {})})
             if rank == 0:
                 print(f"{name:6s} {str(p.layout):44s} predicted {p.step_seconds * 1e3:7.1f} ms  measured "
