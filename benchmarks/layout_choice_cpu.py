@@ -144,6 +144,10 @@ FAN_PIPELINES = ("pp2 tp1 dp1 m4 1f1b", "pp2 tp1 dp1 m8 1f1b", "pp2 tp1 dp1 m16 
                  "pp2 tp1 dp1 m4 v2 interleaved_1f1b", "pp2 tp1 dp1 m8 v2 interleaved_1f1b",
                  "pp2 tp1 dp1 m16 v2 interleaved_1f1b", "pp2 tp1 dp1 m8 v4 interleaved_1f1b")
 FAN_SHARDS = ("pp1 tp2 dp1 m1", "pp1 tp2 dp1 m2", "pp1 tp2 dp1 m4", "pp1 tp2 dp1 m8", "pp1 tp2 dp1 m16")
+# With sequence parallelism (at the first batch): each all-reduce becomes a reduce-scatter and
+# an all-gather, one of each pair following another collective closely; what such a call costs
+# in a step is fitted on these, the rest of the price fixed.
+FAN_SEQUENCE = ("pp1 tp2 dp1 m1 sp", "pp1 tp2 dp1 m2 sp", "pp1 tp2 dp1 m4 sp", "pp1 tp2 dp1 m8 sp")
 # The batches Fan's tp=2 layouts are timed at (its pipelines at the first): at one batch a step's
 # collectives move the same bytes at every micro-batch count, and the time per byte is told from
 # the fixed time of a call by nothing but the intercept; a second batch moves 4x the bytes in as
@@ -169,6 +173,10 @@ def in_situ_costs(links: Any, overhead: float, optimizer: tuple[float, float], c
        ``batches`` (16 and 64: 12 to 192 calls a step of 2.5 KB to 4 MB each, a step's bytes
        4x apart at the same calls), 0 to 4 ms 25 us apart by 0 to 20 ns a byte 0.1 ns apart,
        with 1. fixed (``_fit_collectives``).
+    3. The latency of a collective that follows another closely inside a step (of a sequence-parallel
+       reduce-scatter and all-gather pair, one): FAN_SEQUENCE at the first of ``batches``, 0 to 4 ms,
+       25 us apart, with 1. and 2. fixed. Priced at the idle latency, ViT's sequence-parallel
+       layouts gained about half what they measured over the same layouts without it.
     Each layout is timed in two passes over them all (the lesser kept), as the benchmark times
     its own; each batch is priced with the profiles of its own micro-batch sizes, as the
     benchmark prices a model.
@@ -180,7 +188,7 @@ def in_situ_costs(links: Any, overhead: float, optimizer: tuple[float, float], c
 
     torch.manual_seed(0)
     model = Fan()
-    runs = [(batches[0], n) for n in FAN_PIPELINES] + [(b, n) for b in batches for n in FAN_SHARDS]
+    runs = [(batches[0], n) for n in FAN_PIPELINES + FAN_SEQUENCE] + [(b, n) for b in batches for n in FAN_SHARDS]
     sizes = {b: sorted({b // int(n.split()[3][1:]) for bb, n in runs if bb == b}) for b in batches}
     by_size = {n: profile_graph(trace(model, (torch.randn(n, 64, 256),)), RunSetup("cpu", reps=5, warmup=2), segments=8)
                for n in sorted(set().union(*sizes.values()))}
@@ -194,7 +202,7 @@ def in_situ_costs(links: Any, overhead: float, optimizer: tuple[float, float], c
                                  example_inputs=(torch.randn(sizes[b][0], 64, 256),), mixed_precision=None,
                                  modes=("eager",), action_overhead=overhead, optimizer_bytes=optimizer[0],
                                  tensor_overhead=optimizer[1], transfer_overhead=transfer, recompute_options=(False,),
-                                 sequence_parallel=False, exact=10**6, timeline=False)
+                                 sequence_parallel=True, exact=10**6, timeline=False)
             for p in result.ranked:
                 key = (b, str(p.layout).removesuffix(" eager"))
                 if key in wanted:
@@ -216,6 +224,13 @@ def in_situ_costs(links: Any, overhead: float, optimizer: tuple[float, float], c
     shards = [key for key in runs if key[1] in FAN_SHARDS]
     terms = _linear_terms(links, lambda lk: price(lk, transfer, shards))
     fitted = _fit_collectives(links, terms, measured)
+    sequence = [key for key in runs if key[1] in FAN_SEQUENCE]
+    at = lambda follow: price(dataclasses.replace(fitted, tp_follow_latency=follow), transfer, sequence)  # noqa: E731
+    base, by_call = at(0.0), at(1e-3)
+    follow = min([i * 25e-6 for i in range(161)], key=lambda f: sum(
+        float(np.log((base[k] + (by_call[k] - base[k]) * f / 1e-3) / measured[k])) ** 2 for k in sequence))
+    fitted = dataclasses.replace(fitted, tp_follow_latency=follow, source=fitted.source + ", the following calls "
+                                 "on tp=2 sp runs")
     predicted = price(fitted, transfer, runs)
     rows = [{"layout": n, "batch": b, "measured": measured[b, n], "predicted": predicted[b, n],
              **({"collective_terms": terms[b, n]} if (b, n) in terms else {})} for b, n in runs]
@@ -340,7 +355,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any)
                                                   cpu)
     if rank == 0:
         print(f"transfer overhead {per_transfer * 1e6:.0f} us per tensor, tensor-parallel collectives "
-              f"{links.tp_latency * 1e6:.0f} us + {links.tp_bandwidth / 1e9:.2f} GB/s (idle all-reduce "
+              f"{links.tp_latency * 1e6:.0f} us + {links.tp_bandwidth / 1e9:.2f} GB/s, following calls "
+              f"{links.tp_follow_latency * 1e6:.0f} us (idle all-reduce "
               f"{links.collective_latency * 1e6:.0f} us + {links.collective_bandwidth / 1e9:.2f} GB/s); fitted on " + ", ".join(
                   f"{r['layout']} b{r['batch']} {r['predicted'] / r['measured'] - 1:+.0%}" for r in fan_rows), flush=True)
     rows = []
