@@ -18,7 +18,9 @@ timm ViT and a small torchvision ResNet, 32x32 images):
 3. every one of those layouts is built with ``parallelize`` (its pipeline cut by the profile the
    search priced it with, and kept so: no closed-loop re-cuts or moves) and timed: a train
    step and an AdamW step, median of 5 after 2 warm-up steps; every layout twice, in two passes
-   over them all, the lesser kept (the machine is shared: one pass may catch another's load).
+   over them all, the second in reverse order (a drift of the machine's pace through the run
+   falls on every layout alike), the lesser kept (the machine is shared: one pass may catch
+   another's load). Each timing keeps when it began and a pace probe taken before it.
 Targets (issue: automatic layout): every layout's predicted step time within 15% of its
 measured one, and the chosen layout within 5% of the best measured. Prints a table per model
 and the failures; exits 1 on any.
@@ -142,6 +144,10 @@ FAN_PIPELINES = ("pp2 tp1 dp1 m4 1f1b", "pp2 tp1 dp1 m8 1f1b", "pp2 tp1 dp1 m16 
                  "pp2 tp1 dp1 m4 v2 interleaved_1f1b", "pp2 tp1 dp1 m8 v2 interleaved_1f1b",
                  "pp2 tp1 dp1 m16 v2 interleaved_1f1b", "pp2 tp1 dp1 m8 v4 interleaved_1f1b")
 FAN_SHARDS = ("pp1 tp2 dp1 m1", "pp1 tp2 dp1 m2", "pp1 tp2 dp1 m4", "pp1 tp2 dp1 m8", "pp1 tp2 dp1 m16")
+# With sequence parallelism (at the first batch): each all-reduce becomes a reduce-scatter and
+# an all-gather, one of each pair following another collective closely; what such a call costs
+# in a step is fitted on these, the rest of the price fixed.
+FAN_SEQUENCE = ("pp1 tp2 dp1 m1 sp", "pp1 tp2 dp1 m2 sp", "pp1 tp2 dp1 m4 sp", "pp1 tp2 dp1 m8 sp")
 # The batches Fan's tp=2 layouts are timed at (its pipelines at the first): at one batch a step's
 # collectives move the same bytes at every micro-batch count, and the time per byte is told from
 # the fixed time of a call by nothing but the intercept; a second batch moves 4x the bytes in as
@@ -167,6 +173,10 @@ def in_situ_costs(links: Any, overhead: float, optimizer: tuple[float, float], c
        ``batches`` (16 and 64: 12 to 192 calls a step of 2.5 KB to 4 MB each, a step's bytes
        4x apart at the same calls), 0 to 4 ms 25 us apart by 0 to 20 ns a byte 0.1 ns apart,
        with 1. fixed (``_fit_collectives``).
+    3. The latency of a collective that follows another closely inside a step (of a sequence-parallel
+       reduce-scatter and all-gather pair, one): FAN_SEQUENCE at the first of ``batches``, 0 to 4 ms,
+       25 us apart, with 1. and 2. fixed. Priced at the idle latency, ViT's sequence-parallel
+       layouts gained about half what they measured over the same layouts without it.
     Each layout is timed in two passes over them all (the lesser kept), as the benchmark times
     its own; each batch is priced with the profiles of its own micro-batch sizes, as the
     benchmark prices a model.
@@ -178,7 +188,7 @@ def in_situ_costs(links: Any, overhead: float, optimizer: tuple[float, float], c
 
     torch.manual_seed(0)
     model = Fan()
-    runs = [(batches[0], n) for n in FAN_PIPELINES] + [(b, n) for b in batches for n in FAN_SHARDS]
+    runs = [(batches[0], n) for n in FAN_PIPELINES + FAN_SEQUENCE] + [(b, n) for b in batches for n in FAN_SHARDS]
     sizes = {b: sorted({b // int(n.split()[3][1:]) for bb, n in runs if bb == b}) for b in batches}
     by_size = {n: profile_graph(trace(model, (torch.randn(n, 64, 256),)), RunSetup("cpu", reps=5, warmup=2), segments=8)
                for n in sorted(set().union(*sizes.values()))}
@@ -192,7 +202,7 @@ def in_situ_costs(links: Any, overhead: float, optimizer: tuple[float, float], c
                                  example_inputs=(torch.randn(sizes[b][0], 64, 256),), mixed_precision=None,
                                  modes=("eager",), action_overhead=overhead, optimizer_bytes=optimizer[0],
                                  tensor_overhead=optimizer[1], transfer_overhead=transfer, recompute_options=(False,),
-                                 sequence_parallel=False, exact=10**6, timeline=False)
+                                 sequence_parallel=True, exact=10**6, timeline=False)
             for p in result.ranked:
                 key = (b, str(p.layout).removesuffix(" eager"))
                 if key in wanted:
@@ -214,6 +224,13 @@ def in_situ_costs(links: Any, overhead: float, optimizer: tuple[float, float], c
     shards = [key for key in runs if key[1] in FAN_SHARDS]
     terms = _linear_terms(links, lambda lk: price(lk, transfer, shards))
     fitted = _fit_collectives(links, terms, measured)
+    sequence = [key for key in runs if key[1] in FAN_SEQUENCE]
+    at = lambda follow: price(dataclasses.replace(fitted, tp_follow_latency=follow), transfer, sequence)  # noqa: E731
+    base, by_call = at(0.0), at(1e-3)
+    follow = min([i * 25e-6 for i in range(161)], key=lambda f: sum(
+        float(np.log((base[k] + (by_call[k] - base[k]) * f / 1e-3) / measured[k])) ** 2 for k in sequence))
+    fitted = dataclasses.replace(fitted, tp_follow_latency=follow, source=fitted.source + ", the following calls "
+                                 "on tp=2 sp runs")
     predicted = price(fitted, transfer, runs)
     rows = [{"layout": n, "batch": b, "measured": measured[b, n], "predicted": predicted[b, n],
              **({"collective_terms": terms[b, n]} if (b, n) in terms else {})} for b, n in runs]
@@ -280,6 +297,41 @@ def _costs_for(layout: Any, size: int, profiles: list) -> Any:
     return next(p for p in profiles if p.input_shapes[0][0] == size and p.recompute == layout.recompute)
 
 
+def _pace_probe() -> float:
+    """Seconds of a fixed piece of work (a 256x256 matmul chain, about 10 ms), the slowest rank's:
+    the machine's pace when a layout is timed, kept beside its timing (not used in it)."""
+    a = torch.ones(256, 256) / 256
+    times = []
+    for _ in range(5):
+        begin = time.perf_counter()
+        b = a
+        for _ in range(8):
+            b = b @ a
+        times.append(time.perf_counter() - begin)
+    seconds = torch.tensor([statistics.median(times)])
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    return float(seconds)
+
+
+def _timed_passes(layouts: list, time_layout: Any, count: int) -> tuple[dict[str, list[float]], dict[str, list]]:
+    """Every layout of ``layouts`` timed ``count`` times, in passes over them all, odd passes in
+    reverse order. ``layouts`` come ranked by their predicted time; in one order only, a pace that
+    drifts through the run (the second pass of four earlier runs read a median 0.4-3.6% slower
+    than the first) would fall on the fast layouts one way and the slow ones the other. Reversed, the
+    layout timed first in one pass is timed last in the next: each layout's timings average to
+    the middle of the run. Returns each layout's times, and per timing (seconds since the first
+    timing began, the pace probe's seconds before it)."""
+    passes: dict[str, list[float]] = {}
+    clock: dict[str, list] = {}
+    start = time.perf_counter()
+    for k in range(count):  # the machine is shared: a pass may catch another's load
+        for layout in (layouts if k % 2 == 0 else layouts[::-1]):
+            began, pace = time.perf_counter() - start, _pace_probe()
+            passes.setdefault(str(layout), []).append(time_layout(layout))
+            clock.setdefault(str(layout), []).append([began, pace])
+    return passes, clock
+
+
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -303,7 +355,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any)
                                                   cpu)
     if rank == 0:
         print(f"transfer overhead {per_transfer * 1e6:.0f} us per tensor, tensor-parallel collectives "
-              f"{links.tp_latency * 1e6:.0f} us + {links.tp_bandwidth / 1e9:.2f} GB/s (idle all-reduce "
+              f"{links.tp_latency * 1e6:.0f} us + {links.tp_bandwidth / 1e9:.2f} GB/s, following calls "
+              f"{links.tp_follow_latency * 1e6:.0f} us (idle all-reduce "
               f"{links.collective_latency * 1e6:.0f} us + {links.collective_bandwidth / 1e9:.2f} GB/s); fitted on " + ", ".join(
                   f"{r['layout']} b{r['batch']} {r['predicted'] / r['measured'] - 1:+.0%}" for r in fan_rows), flush=True)
     rows = []
@@ -340,24 +393,25 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any)
         shared = [result]
         dist.broadcast_object_list(shared, src=0)
         result = shared[0]
-        passes: dict[str, list[float]] = {}
-        for _ in range(args.passes):  # the machine is shared: a pass may catch another's load
-            for p in result.ranked:
-                layout: Layout = p.layout
-                size = layout.microbatch_size(args.batch)
-                torch.manual_seed(0)
-                pm = autopipe.parallelize(build(name), (torch.randn(size, 3, 32, 32),), loss_fn=F.cross_entropy,
-                                          device="cpu", costs=_costs_for(layout, size, profiles), measure=_as_priced(),
-                                          **layout.parallelize_kwargs())
-                per = args.batch // layout.dp
-                mine = slice(pm.dp_rank * per, (pm.dp_rank + 1) * per)
-                passes.setdefault(str(layout), []).append(_time_steps(pm, (x[mine], y[mine]), args.steps, 2))
-                pm.close()  # its groups and threads would slow the layouts timed after it
+        def time_layout(layout: Layout) -> float:
+            size = layout.microbatch_size(args.batch)
+            torch.manual_seed(0)
+            pm = autopipe.parallelize(build(name), (torch.randn(size, 3, 32, 32),), loss_fn=F.cross_entropy,
+                                      device="cpu", costs=_costs_for(layout, size, profiles), measure=_as_priced(),
+                                      **layout.parallelize_kwargs())
+            per = args.batch // layout.dp
+            mine = slice(pm.dp_rank * per, (pm.dp_rank + 1) * per)
+            seconds = _time_steps(pm, (x[mine], y[mine]), args.steps, 2)
+            pm.close()  # its groups and threads would slow the layouts timed after it
+            return seconds
+
+        passes, clock = _timed_passes([p.layout for p in result.ranked], time_layout, args.passes)
         for p in result.ranked:
             times = passes[str(p.layout)]
             measured = min(times)
             rows.append({"model": name, "layout": str(p.layout), "predicted": p.step_seconds, "measured": measured,
-                         "passes": times, "error": p.step_seconds / measured - 1, "parts": p.parts,
+                         "passes": times, "pass_clock": clock[str(p.layout)],
+                         "error": p.step_seconds / measured - 1, "parts": p.parts,
                          **({"collective_terms": terms[str(p.layout)]} if str(p.layout) in terms else {})})
             if rank == 0:
                 print(f"{name:6s} {str(p.layout):44s} predicted {p.step_seconds * 1e3:7.1f} ms  measured "

@@ -407,6 +407,32 @@ def test_a_sequence_parallel_collective_waits_once_and_follows_once():
                                                                      rel=1e-6)
 
 
+def test_a_following_collective_is_priced_at_its_measured_latency(tmp_path):
+    """[Note: collectives in a step]: where the links carry a measured latency for a collective
+    that follows another closely (``tp_follow_latency``), the sequence-parallel layouts' following
+    calls cost it, and nothing else moves: not their calls reached after compute, not a plain
+    layout, not the data-parallel all-reduce; without it they keep the idle latency."""
+    traced = _vit_graph()
+    sp_graph = GraphCosts(traced, 2, shard_plan=plan_sharding(traced, 2, sequence_parallel=True))
+    plain_graph = GraphCosts(traced, 2, shard_plan=plan_sharding(traced, 2))
+    pricing = _pricing(8, "cpu")
+    links = dataclasses.replace(pricing.links, tp_latency=2e-3, tp_bandwidth=pricing.links.collective_bandwidth)
+    waits = dataclasses.replace(links, tp_follow_latency=links.collective_latency + 1e-3)
+    assert links.collectives(0.0, 3, 5) == pytest.approx(3 * 2e-3 + 5 * links.collective_latency)
+    assert waits.collectives(0.0, 3, 5) == pytest.approx(3 * 2e-3 + 5 * (links.collective_latency + 1e-3))
+    sp = Layout(1, 2, 1, 2, 1, "1f1b", True, False, "eager")
+    base = predict(sp_graph, sp, dataclasses.replace(pricing, links=links))
+    slow = predict(sp_graph, sp, dataclasses.replace(pricing, links=waits))
+    assert sp_graph.follow_calls.sum() > 0
+    assert slow.step_seconds - base.step_seconds == pytest.approx(sp.microbatches * sp_graph.follow_calls.sum() * 1e-3,
+                                                                  rel=1e-6)
+    plain = Layout(1, 2, 1, 2, 1, "1f1b", False, False, "eager")
+    assert predict(plain_graph, plain, dataclasses.replace(pricing, links=waits)).step_seconds == \
+        pytest.approx(predict(plain_graph, plain, dataclasses.replace(pricing, links=links)).step_seconds)
+    waits.save(tmp_path / "w.json")
+    assert LinkModel.load(tmp_path / "w.json") == waits
+
+
 class _TwoMLPs(torch.nn.Module):
     """Two branches, each an MLP whose output feeds another: tp=2 shards all four, and between
     the two MLPs of a branch the first's all-reduce (g) is followed by the second's f."""

@@ -32,6 +32,12 @@ priced at the in-step figures both, ViT's tp=2 layouts with sequence parallelism
 27-36% long at 2-8 micro-batches, while those without were within 12%
 (results/2026-11-26-cpu-layout-choice-vit-before-follow.json); measured, sequence parallelism
 added 28 ms to a 4-micro-batch step (64 more calls: 0.44 ms each, the idle all-reduce's 0.47).
+That one step was the exception: over three later runs of every ViT layout
+(results/2026-11-27-cpu-layout-choice-vit-*.json), sequence parallelism added more than priced to
+every one of 24 pairs of layouts (the same micro-batches and checkpointing with it and without),
+1.1-3.9x (median 1.9x; 141-166 ms measured at 8 micro-batches, 71-80 ms priced). A following call
+still waits, if less. Where its latency was measured apart (``layout_choice_cpu.py`` fits it on
+the sequence-parallel layouts of its own model), ``tp_follow_latency`` prices it.
 """
 from __future__ import annotations
 
@@ -65,6 +71,9 @@ class LinkModel:
     # that was measured apart (see [Note: collectives in a step]); None: as an idle all-reduce.
     tp_latency: float | None = None
     tp_bandwidth: float | None = None
+    # A collective that follows another closely, inside a step, where that was measured apart;
+    # None: as an idle all-reduce's latency.
+    tp_follow_latency: float | None = None
 
     def __post_init__(self) -> None:
         bad = [f"{k}={v!r}" for k, v in asdict(self).items()
@@ -92,11 +101,12 @@ class LinkModel:
     def collectives(self, moved_bytes: Any, calls: Any, follow_calls: Any = 0) -> Any:
         """Seconds of tensor-parallel collectives moving ``moved_bytes`` per rank in all (numbers
         or arrays): ``calls`` reached after compute, at the in-step figures where there are some,
-        and ``follow_calls`` that follow another collective closely, at the idle latency (see
-        [Note: collectives in a step])."""
+        and ``follow_calls`` that follow another collective closely, at ``tp_follow_latency``
+        where it was measured, else the idle latency (see [Note: collectives in a step])."""
         latency = self.collective_latency if self.tp_latency is None else self.tp_latency
         bandwidth = self.collective_bandwidth if self.tp_bandwidth is None else self.tp_bandwidth
-        return calls * latency + follow_calls * self.collective_latency + moved_bytes / bandwidth
+        follow = self.collective_latency if self.tp_follow_latency is None else self.tp_follow_latency
+        return calls * latency + follow_calls * follow + moved_bytes / bandwidth
 
     def save(self, path: str | os.PathLike[str]) -> None:
         with open(path, "w") as f:
@@ -109,7 +119,8 @@ class LinkModel:
                 data = json.load(f)
             return cls(**{k: data[k] for k in ("p2p_latency", "p2p_bandwidth", "collective_latency",
                                                 "collective_bandwidth", "source")},
-                       **{k: data[k] for k in ("tp_latency", "tp_bandwidth") if data.get(k) is not None})
+                       **{k: data[k] for k in ("tp_latency", "tp_bandwidth", "tp_follow_latency")
+                          if data.get(k) is not None})
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"cannot read the link model {os.fspath(path)!r} ({type(exc).__name__}: {exc}); "
                               "measure it again with `torchrun --nproc-per-node N -m autopipe links --out FILE`") \
