@@ -6,12 +6,14 @@ from types import SimpleNamespace
 
 import pytest
 
+from autopipe.errors import ProfileError
 from autopipe.measure import cache as cache_module
 from autopipe.measure.cache import ProfileCache
 from autopipe.measure.eager_host import LaunchCosts, fit_launch_costs, queue_prices
 from autopipe.measure.kernels import NodeTimes
 from autopipe.measure.profile import _eager_prices
 from autopipe.measure.stage_run import StageTiming
+from autopipe.partition.measured import MeasuredCosts
 
 US = 1e-6
 
@@ -88,3 +90,10 @@ def test_a_profile_of_another_schema_is_profiled_again(tmp_path, monkeypatch):
     before = cache.path(key, 16)
     monkeypatch.setattr(cache_module, "SCHEMA_VERSION", cache_module.SCHEMA_VERSION + 1)
     assert cache.path(key, 16) != before
+
+
+def test_a_profile_file_of_another_schema_is_a_typed_error(tmp_path):
+    path = tmp_path / "old.json"
+    path.write_text('{"schema": 1, "segments": [], "node_seconds": {}}')
+    with pytest.raises(ProfileError, match="schema 1, expected 2: a profile written by another version.*profile again"):
+        MeasuredCosts.load(path)

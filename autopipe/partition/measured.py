@@ -103,7 +103,8 @@ class MeasuredCosts:
     def from_dict(cls, data: Mapping[str, Any]) -> MeasuredCosts:
         if not isinstance(data, Mapping) or data.get("schema") != SCHEMA_VERSION:
             found = data.get("schema") if isinstance(data, Mapping) else type(data).__name__
-            raise ValueError(f"schema {found!r}, expected {SCHEMA_VERSION}")
+            raise ValueError(f"schema {found!r}, expected {SCHEMA_VERSION}: a profile written by another version "
+                             "of autopipe")
         segments = [Segment(int(s["start"]), int(s["end"]), float(s["forward"]), float(s["backward"]))
                     for s in data["segments"]]
         nodes = {str(k): float(v) for k, v in data["node_seconds"].items()}
