@@ -15,9 +15,9 @@ the host does around it:
   belongs to the last op that recorded it: the one that made the node;
 - what no node claims (gradient accumulation into ``.grad``, the engine's own kernels) is
   returned as ``unattributed`` and spread by the caller.
-The host time of each node (its range, its backward functions) is read the same way: in eager
-mode a node takes the longer of its device and its host time. On a CPU the op's own time is
-both. With activation checkpointing a node's forward runs again in the backward, so its
+The host time of each node (its range, its backward functions) and the kernels it launched are
+read the same way; an eager stage prices them through its launch queue ([Note: eager launch
+queue] in eager_host.py). On a CPU the op's own time is both. With activation checkpointing a node's forward runs again in the backward, so its
 forward time is added to its backward time.
 """
 from __future__ import annotations
@@ -154,14 +154,3 @@ def node_times(stage: fx.GraphModule, inputs: Sequence[torch.Tensor], grads: Seq
     lost = tuple(statistics.median(p["lost"][i] for p in passes) * 1e-6 for i in range(2))
     return NodeTimes(device_s, host_s, counts, lost)  # type: ignore[arg-type]
 
-
-def node_seconds(times: NodeTimes, mode: str) -> dict[str, float]:
-    """Forward + backward seconds per node as a stage in ``mode`` spends them: device time, or in
-    eager mode the longer of device and host time in each direction."""
-    out = {}
-    for n, (f, b) in times.device.items():
-        if mode == "eager":
-            hf, hb = times.host[n]
-            f, b = max(f, hf), max(b, hb)
-        out[n] = f + b
-    return out
