@@ -15,7 +15,7 @@ inflates every op it records by a factor that differs from op to op). On an H100
 on each model's 16 profile segments (benchmarks/results/calibration/2026-11-2[67]-h100-nhwc-*
 rows, 11 models at 32 and 128 images, 352 segments), segments priced this way were within 10%
 of their eager timings in 80% of segments (median error 2.5%), against 63% (6.3%) for the
-larger of kernel and scaled profiler host time, node by node. ResNet-50 at 32 images: 2.3%
+larger of kernel and scaled profiler host time, node by node. ResNet-50 at 32 images: 3.2%
 median, against 14.5%; the old pricing put its first segments (stem, layer 1) at 1.5-2.5x
 their timings and its last ones short.
 
@@ -77,7 +77,7 @@ def fit_launch_costs(segments: Sequence[tuple[Sequence[str], float, float]],
             fixed = max(statistics.median(t - r for r, (_, t, _) in zip(replayed, segments)), 0.0)
             err = statistics.fmean(abs(r + fixed - t) / max(t, 1e-12) for r, (_, t, _) in zip(replayed, segments))
             fits.append((err, per_kernel, per_node, fixed))
-    err, per_kernel, per_node, fixed = min(fits)
+    _, per_kernel, per_node, fixed = min(fits)
     return LaunchCosts(per_kernel, per_node), fixed
 
 
