@@ -5,15 +5,21 @@ import random
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from autopipe.errors import ProfileError
 from autopipe.measure import cache as cache_module
 from autopipe.measure.cache import ProfileCache
 from autopipe.measure.eager_host import LaunchCosts, fit_launch_costs, queue_prices
 from autopipe.measure.kernels import NodeTimes
-from autopipe.measure.profile import _eager_prices
+from autopipe.measure import RunSetup, profile_graph, segment_starts
+from autopipe.measure import profile as profile_module
+from autopipe.measure.profile import PAIRS_TIMED, _eager_prices, _timed_pairs
+from autopipe.partition.device import get_profile
 from autopipe.measure.stage_run import StageTiming
 from autopipe.partition.measured import MeasuredCosts
+from autopipe.tracer import trace
+from tests.models import timm_vit
 
 US = 1e-6
 
@@ -84,6 +90,30 @@ def test_an_eager_profile_prices_each_segment_at_its_timing():
     assert all(p >= 0 for p in prices.values())
 
 
+def _host_bound(nodes: int = 64) -> dict[str, tuple]:
+    """Nodes whose kernels are all shorter than their launch: every segment is the host's pace."""
+    return {f"n{i}": (1 * US, 2 * US, 1, 1, True, True) for i in range(nodes)}
+
+
+def test_pairs_of_segments_timed_whole_tell_the_fixed_cost_from_the_launch_costs():
+    # Segments of eight nodes each: a fixed cost and a per-node cost fit their timings in many
+    # proportions ([Note: segment pairs]); the fit alone cannot say which.
+    work, truth, fixed = _host_bound(), LaunchCosts(per_kernel=10 * US, per_node=40 * US), 1000 * US
+    names = list(work)
+    segments = [names[i:i + 8] for i in range(0, len(names), 8)]
+    timed = [(s, sum(queue_prices(s, work, truth).values()) + fixed, 0.0) for s in segments]
+    launch, found = fit_launch_costs(timed, work)
+    stage = names[:32]  # four segments as one stage pays the fixed cost once
+    true_stage = sum(queue_prices(stage, work, truth).values()) + fixed
+    assert found != pytest.approx(fixed, rel=0.05)
+    assert sum(queue_prices(stage, work, launch).values()) + found != pytest.approx(true_stage, rel=0.05)
+    pairs = [(names[i:i + 16], sum(queue_prices(names[i:i + 16], work, truth).values()) + fixed, 0.0)
+             for i in (0, 32)]
+    launch, found = fit_launch_costs(timed + pairs, work)
+    assert found == pytest.approx(fixed, rel=0.05)
+    assert sum(queue_prices(stage, work, launch).values()) + found == pytest.approx(true_stage, rel=0.02)
+
+
 def test_a_profile_of_another_schema_is_profiled_again(tmp_path, monkeypatch):
     cache = ProfileCache(tmp_path)
     key = {"fingerprint": "f", "mode": "eager"}
@@ -95,5 +125,48 @@ def test_a_profile_of_another_schema_is_profiled_again(tmp_path, monkeypatch):
 def test_a_profile_file_of_another_schema_is_a_typed_error(tmp_path):
     path = tmp_path / "old.json"
     path.write_text('{"schema": 1, "segments": [], "node_seconds": {}}')
-    with pytest.raises(ProfileError, match="schema 1, expected 2: a profile written by another version.*profile again"):
+    with pytest.raises(ProfileError, match="schema 1, expected 3: a profile written by another version.*profile again"):
         MeasuredCosts.load(path)
+
+
+def _vit_traced():
+    torch.manual_seed(0)
+    return trace(timm_vit(), (torch.randn(4, 3, 32, 32),))
+
+
+def test_the_timed_pairs_are_adjacent_segments_spread_over_the_graph():
+    traced = _vit_traced()
+    starts = segment_starts(traced, 16, "cpu")
+    order = [n.name for n in traced.gm.graph.nodes if n.op != "output"]
+    ends = starts[1:] + [len(order)]
+    segments = [StageTiming(0.0, 0.0, NodeTimes({}, {}, {}, (1e-6 * k, 0.0))) for k in range(len(starts))]
+    pairs = _timed_pairs(traced, starts, RunSetup("cpu", reps=1, warmup=0), get_profile("cpu"), segments, None, 1)
+    assert len(pairs) == min(PAIRS_TIMED, len(starts) // 2) >= 2
+    firsts = []
+    for nodes, seconds, lost in pairs:
+        k = starts.index(order.index(nodes[0]))  # a pair starts where an even segment starts ...
+        assert k % 2 == 0 and nodes == order[starts[k]:ends[k + 1]]  # ... and ends where the next one ends
+        assert seconds > 0 and lost == pytest.approx(1e-6 * (2 * k + 1))
+        firsts.append(k)
+    assert firsts[0] == 0 and firsts[-1] >= len(starts) - 3  # from the first segments to the last
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="eager kernel times need a GPU")
+def test_an_eager_gpu_profile_fits_its_segments_and_pairs(monkeypatch):
+    rows = []
+    fit = profile_module.fit_launch_costs
+
+    def spy(segments, work):
+        rows.extend(segments)
+        return fit(segments, work)
+
+    monkeypatch.setattr(profile_module, "fit_launch_costs", spy)
+    traced = _vit_traced()
+    measured = profile_graph(traced, RunSetup("cuda", "eager", reps=2, warmup=1), segments=8)
+    order = [n.name for n in traced.gm.graph.nodes if n.op != "output"]
+    assert set(measured.node_seconds) == set(order) and measured.stage_overhead >= 0
+    assert len(rows) == len(measured.segments) + min(PAIRS_TIMED, len(measured.segments) // 2)
+    # A segment's nodes' prices and the fixed cost add up to about its timing.
+    for seg in measured.segments:
+        priced = sum(measured.node_seconds[n] for n in order[seg.start:seg.end]) + measured.stage_overhead
+        assert priced == pytest.approx(seg.seconds, rel=0.5)

@@ -36,7 +36,7 @@ from autopipe.memory_format import channels_last_model
 
 __all__ = ["MeasuredCosts", "Segment", "fingerprint", "spread", "dtype_name", "SCHEMA_VERSION"]
 
-SCHEMA_VERSION = 2  # 2: eager node prices through the launch queue (measure/eager_host.py)
+SCHEMA_VERSION = 3  # 2: eager node prices through the launch queue (measure/eager_host.py); 3: and segment pairs
 
 
 @dataclass(frozen=True)
