@@ -73,7 +73,7 @@ def _imbalance(times: list[float]) -> float:
 
 def run_case(name: str, traced: Any, mb: int, mode: str, layouts: tuple, reps: int, plans: set[str],
              device: str = "cuda", profiles: dict | None = None, retimes: int = 3,
-             on_row: Any = None) -> list[dict[str, Any]]:
+             on_row: Any = None, keep: str | None = None) -> list[dict[str, Any]]:
     setup = RunSetup(torch.device(device), mode, torch.bfloat16, reps=reps)
     rows: list[dict[str, Any]] = []
     cache = ProfileCache(tempfile.mkdtemp(prefix="autopipe-bench-"))
@@ -82,11 +82,15 @@ def run_case(name: str, traced: Any, mb: int, mode: str, layouts: tuple, reps: i
     profile_s = time.perf_counter() - begin
     if profiles is not None and measured is not None:
         profiles[mode] = measured
+    if keep and measured is not None:  # as soon as it is made: a run cut short keeps it
+        os.makedirs(keep, exist_ok=True)
+        measured.save(os.path.join(keep, f"{name}-{mb}-{mode}.json"))
     begin = time.perf_counter()
     again = profile_graph(traced, setup, cache=cache) if measured is not None else None
     cached_s = time.perf_counter() - begin
     base = {"model": name, "microbatch": mb, "mode": mode, "profile_seconds": profile_s,
             "cached_profile_seconds": cached_s,
+            "stage_overhead_ms": measured.stage_overhead * 1e3 if measured is not None else None,
             "cache_hit": again is not None and again.segments == measured.segments}
     gpu = PROFILES[gpu_profile_name(device_name(setup.device))]
     calibrated = gpu.with_mode(mode)
@@ -199,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--channels-last", action="store_true",
                         help="the model and its inputs in channels-last layout (as convolutional models run best "
                              "on GPUs; see benchmarks/channels_last.py)")
+    parser.add_argument("--profiles", metavar="DIR",
+                        help="also keep each profile there, as MODEL-MB-MODE.json (autopipe report --profile reads it)")
     parser.add_argument("--calibration-rows", metavar="PATH",
                         help="also write the profiles' node times as rows for calibrate_device.py fit")
     args = parser.parse_args(argv)
@@ -232,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
                 pending: list[dict[str, Any]] = []  # this case's rows so far, saved as they come
                 try:
                     rows += run_case(name, traced, mb, mode, layouts, args.reps, set(args.plans.split(",")),
-                                     args.device, profiles, args.retimes,
+                                     args.device, profiles, args.retimes, keep=args.profiles,
                                      on_row=lambda row, kept=pending, done=rows: (kept.append(row), save(done + kept)))
                 except Exception as e:  # one case's failure is reported, and the others still run
                     traceback.print_exc()

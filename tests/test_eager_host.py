@@ -1,6 +1,7 @@
 """Eager node prices through the launch queue ([Note: eager launch queue], measure/eager_host.py)."""
 from __future__ import annotations
 
+import json
 import random
 from types import SimpleNamespace
 
@@ -143,14 +144,15 @@ def test_the_timed_pairs_are_adjacent_segments_spread_over_the_graph():
     pairs = _timed_pairs(traced, starts, RunSetup("cpu", reps=1, warmup=0), get_profile("cpu"), segments, None, 1)
     assert len(pairs) == min(PAIRS_TIMED, len(starts) // 2) >= 2
     firsts = []
-    for nodes, seconds, lost in pairs:
+    for nodes, timing, lost in pairs:
         k = starts.index(order.index(nodes[0]))  # a pair starts where an even segment starts ...
         assert k % 2 == 0 and nodes == order[starts[k]:ends[k + 1]]  # ... and ends where the next one ends
-        assert seconds > 0 and lost == pytest.approx(1e-6 * (2 * k + 1))
+        assert timing.seconds > 0 and lost == pytest.approx(1e-6 * (2 * k + 1))
         firsts.append(k)
     assert firsts[0] == 0 and firsts[-1] >= len(starts) - 3  # from the first segments to the last
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="eager kernel times need a GPU")
 def test_an_eager_gpu_profile_fits_its_segments_and_pairs(monkeypatch):
     rows = []
@@ -165,7 +167,11 @@ def test_an_eager_gpu_profile_fits_its_segments_and_pairs(monkeypatch):
     measured = profile_graph(traced, RunSetup("cuda", "eager", reps=2, warmup=1), segments=8)
     order = [n.name for n in traced.gm.graph.nodes if n.op != "output"]
     assert set(measured.node_seconds) == set(order) and measured.stage_overhead >= 0
-    assert len(rows) == len(measured.segments) + min(PAIRS_TIMED, len(measured.segments) // 2)
+    assert len(rows) == len(measured.segments) + min(PAIRS_TIMED, len(measured.segments) // 2) == \
+        len(measured.segments) + len(measured.pairs)
+    for pair in measured.pairs:  # each pair spans two segments, and is kept with the profile
+        assert any(s.start == pair.start for s in measured.segments) and any(s.end == pair.end for s in measured.segments)
+    assert MeasuredCosts.from_dict(json.loads(measured.to_json())) == measured
     # A segment's nodes' prices and the fixed cost add up to about its timing.
     for seg in measured.segments:
         priced = sum(measured.node_seconds[n] for n in order[seg.start:seg.end]) + measured.stage_overhead

@@ -113,6 +113,7 @@ def profile_graph(traced: TracedModel, setup: RunSetup, *, segments: int | None 
     segs = [Segment(a, b, timings[i].forward, timings[i].backward) for i, (a, b) in enumerate(zip(starts, ends))]
     modelled = analytic_seconds(traced, analytic)
     detail: dict[str, list[float]] = {}
+    pairs: list[Segment] = []
     stage_timings = [timings[i] for i in range(plan.num_stages)]
     for t in stage_timings if by_kernels else ():
         for n, (f, b) in t.nodes.device.items():
@@ -135,8 +136,10 @@ def profile_graph(traced: TracedModel, setup: RunSetup, *, segments: int | None 
         segs = [Segment(seg.start, seg.end, seg.forward * scale, seg.backward * scale) for seg in segs]
         seconds = spread(segs, order, [sum(detail.get(n, (0.0, 0.0))[:2]) for n in order])
     elif setup.mode == "eager":
-        seconds, overhead = _eager_prices(plan, stage_timings, _timed_pairs(traced, starts, setup, analytic,
-                                                                            stage_timings, group, world))
+        timed = _timed_pairs(traced, starts, setup, analytic, stage_timings, group, world)
+        pairs = [Segment(order.index(nodes[0]), order.index(nodes[-1]) + 1, t.forward, t.backward)
+                 for nodes, t, _ in timed]
+        seconds, overhead = _eager_prices(plan, stage_timings, [(nodes, t.seconds, lost) for nodes, t, lost in timed])
     elif by_kernels:
         seconds, overhead = _from_kernels(plan, stage_timings, modelled)
     else:
@@ -144,7 +147,7 @@ def profile_graph(traced: TracedModel, setup: RunSetup, *, segments: int | None 
     measured = MeasuredCosts(
         key["fingerprint"], key["input_shapes"], key["dtype"], key["mode"], key["device"], key["torch_version"],
         segs, seconds, time.perf_counter() - begin, recompute=setup.recompute, stage_overhead=overhead,
-        node_detail=detail)
+        node_detail=detail, pairs=pairs)
     if cache is not None and rank == 0:
         cache.save(measured, count)
     return measured
@@ -198,8 +201,8 @@ def _share(work: Callable[[], dict[int, StageTiming]], group: Any, world: int) -
 
 
 def _timed_pairs(traced: TracedModel, starts: list[int], setup: RunSetup, analytic: DeviceProfile,
-                 segments: list[StageTiming], group: Any, world: int) -> list[tuple[list[str], float, float]]:
-    """A few pairs of adjacent segments, each timed whole as one stage: (nodes, seconds, device
+                 segments: list[StageTiming], group: Any, world: int) -> list[tuple[list[str], StageTiming, float]]:
+    """A few pairs of adjacent segments, each timed whole as one stage: (nodes, timing, device
     seconds no node claims). See [Note: segment pairs]."""
     pairs = partition_at(traced, starts[::2], device=analytic, activation_dtype=setup.compute_dtype)
     whole = [p for p in range(pairs.num_stages) if 2 * p + 1 < len(starts)]
@@ -210,7 +213,7 @@ def _timed_pairs(traced: TracedModel, starts: list[int], setup: RunSetup, analyt
     rank = _rank_world(group)[0]
     mine = [p for k, p in enumerate(picked) if k % world == rank]
     timings = _share(lambda: time_stages(traced, pairs, setup, mine), group, world)
-    return [(pairs.stages[p].nodes, timings[p].seconds,
+    return [(pairs.stages[p].nodes, timings[p],
              sum(segments[2 * p].nodes.unattributed) + sum(segments[2 * p + 1].nodes.unattributed))
             for p in picked]
 

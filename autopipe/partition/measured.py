@@ -71,6 +71,8 @@ class MeasuredCosts:
     # Per node, where kernel times were read: [device fwd, device bwd, host fwd, host bwd,
     # kernels fwd, kernels bwd] (seconds, counts); what a calibration is fitted from.
     node_detail: dict[str, list[float]] = field(default_factory=dict)
+    # Eager mode: pairs of adjacent segments timed whole (see [Note: segment pairs] in measure/profile.py).
+    pairs: list[Segment] = field(default_factory=list)
     schema: int = SCHEMA_VERSION
 
     @property
@@ -105,8 +107,8 @@ class MeasuredCosts:
             found = data.get("schema") if isinstance(data, Mapping) else type(data).__name__
             raise ValueError(f"schema {found!r}, expected {SCHEMA_VERSION}: a profile written by another version "
                              "of autopipe")
-        segments = [Segment(int(s["start"]), int(s["end"]), float(s["forward"]), float(s["backward"]))
-                    for s in data["segments"]]
+        segments = [_segment(s) for s in data["segments"]]
+        pairs = [_segment(s) for s in data.get("pairs", [])]
         nodes = {str(k): float(v) for k, v in data["node_seconds"].items()}
         bad = [k for k, v in nodes.items() if not (math.isfinite(v) and v >= 0)]
         if bad:
@@ -115,7 +117,7 @@ class MeasuredCosts:
                    str(data["dtype"]), str(data["mode"]), str(data["device"]), str(data["torch_version"]),
                    segments, nodes, float(data.get("profile_seconds", 0.0)), bool(data.get("recompute", False)),
                    float(data.get("stage_overhead", 0.0)),
-                   {str(k): [float(x) for x in v] for k, v in data.get("node_detail", {}).items()})
+                   {str(k): [float(x) for x in v] for k, v in data.get("node_detail", {}).items()}, pairs)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the profile as JSON (atomically: a reader never sees half a file)."""
@@ -212,3 +214,7 @@ def spread(segments: Sequence[Segment], order: Sequence[str], modelled: Sequence
 
 def dtype_name(dtype: torch.dtype | None) -> str:
     return str(dtype or torch.float32).removeprefix("torch.")
+
+
+def _segment(data: Mapping[str, Any]) -> Segment:
+    return Segment(int(data["start"]), int(data["end"]), float(data["forward"]), float(data["backward"]))
