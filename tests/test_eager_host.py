@@ -110,7 +110,7 @@ def test_pairs_of_segments_timed_whole_tell_the_fixed_cost_from_the_launch_costs
     assert sum(queue_prices(stage, work, launch).values()) + found != pytest.approx(true_stage, rel=0.05)
     pairs = [(names[i:i + 16], sum(queue_prices(names[i:i + 16], work, truth).values()) + fixed, 0.0)
              for i in (0, 32)]
-    launch, found = fit_launch_costs(timed + pairs, work)
+    launch, found = fit_launch_costs(timed, work, pairs)
     assert found == pytest.approx(fixed, rel=0.05)
     assert sum(queue_prices(stage, work, launch).values()) + found == pytest.approx(true_stage, rel=0.02)
 
@@ -158,9 +158,10 @@ def test_an_eager_gpu_profile_fits_its_segments_and_pairs(monkeypatch):
     rows = []
     fit = profile_module.fit_launch_costs
 
-    def spy(segments, work):
+    def spy(segments, work, pairs):
         rows.extend(segments)
-        return fit(segments, work)
+        rows.extend(pairs)
+        return fit(segments, work, pairs)
 
     monkeypatch.setattr(profile_module, "fit_launch_costs", spy)
     traced = _vit_traced()
@@ -176,3 +177,12 @@ def test_an_eager_gpu_profile_fits_its_segments_and_pairs(monkeypatch):
     for seg in measured.segments:
         priced = sum(measured.node_seconds[n] for n in order[seg.start:seg.end]) + measured.stage_overhead
         assert priced == pytest.approx(seg.seconds, rel=0.5)
+
+
+def test_a_few_pairs_weigh_as_much_as_all_the_segments_in_the_fixed_cost():
+    from autopipe.measure.eager_host import _weighted_median
+    assert _weighted_median([3.0, 1.0, 2.0, 4.0], [0.25] * 4) == 2.5  # equal weights: the plain median
+    # 12 of 16 segments say 1, the other 4 and both pairs say 5: by count 1 (12 of 18), by weight 5
+    values = [1.0] * 12 + [5.0] * 4 + [5.0, 5.0]
+    assert _weighted_median(values, [1 / 18] * 18) == 1.0
+    assert _weighted_median(values, [1 / 16] * 16 + [0.5, 0.5]) == 5.0

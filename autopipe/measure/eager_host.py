@@ -63,22 +63,40 @@ def queue_prices(nodes: Sequence[str], work: Mapping[str, NodeWork], launch: Lau
 
 
 def fit_launch_costs(segments: Sequence[tuple[Sequence[str], float, float]],
-                     work: Mapping[str, NodeWork]) -> tuple[LaunchCosts, float]:
-    """The launch costs that best predict the segments' timings (least mean relative error), with
-    the fixed cost of a stage (the median of what the timings exceed their replay by) added to
-    every segment. ``segments``: (nodes in graph order, timed seconds, device seconds no node
-    claims). Returns the launch costs and that fixed cost."""
-    passes = [_passes(nodes, work) for nodes, _, _ in segments]
+                     work: Mapping[str, NodeWork],
+                     pairs: Sequence[tuple[Sequence[str], float, float]] = ()) -> tuple[LaunchCosts, float]:
+    """The launch costs that best predict the timings (least mean relative error), with the fixed
+    cost of a stage (the median of what the timings exceed their replay by) added to every one.
+    ``segments`` and ``pairs`` (segments timed two at a time, [Note: segment pairs] in profile.py):
+    (nodes in graph order, timed seconds, device seconds no node claims). The pairs, though fewer,
+    weigh as much as the segments in both the error and the median: they are what tells the
+    fixed cost from a launch cost per node. Returns the launch costs and that fixed cost."""
+    rows = list(segments) + list(pairs)
+    weights = [1.0 / len(group) for group in (segments, pairs) for _ in group]
+    passes = [_passes(nodes, work) for nodes, _, _ in rows]
     fits = []
     for per_kernel in PER_KERNEL_GRID:
         for per_node in PER_NODE_GRID:
             launch = LaunchCosts(per_kernel, per_node)
-            replayed = [sum(step for _, step in _replay(p, launch)) + lost for p, (_, _, lost) in zip(passes, segments)]
-            fixed = max(statistics.median(t - r for r, (_, t, _) in zip(replayed, segments)), 0.0)
-            err = statistics.fmean(abs(r + fixed - t) / max(t, 1e-12) for r, (_, t, _) in zip(replayed, segments))
+            replayed = [sum(step for _, step in _replay(p, launch)) + lost for p, (_, _, lost) in zip(passes, rows)]
+            fixed = max(_weighted_median([t - r for r, (_, t, _) in zip(replayed, rows)], weights), 0.0)
+            err = sum(w * abs(r + fixed - t) / max(t, 1e-12) for w, r, (_, t, _) in zip(weights, replayed, rows))
             fits.append((err, per_kernel, per_node, fixed))
     _, per_kernel, per_node, fixed = min(fits)
     return LaunchCosts(per_kernel, per_node), fixed
+
+
+def _weighted_median(values: Sequence[float], weights: Sequence[float]) -> float:
+    ranked = sorted(zip(values, weights))
+    total = sum(weights)
+    if len(ranked) % 2 == 0 and len(set(weights)) == 1:  # equal weights: the plain median
+        return statistics.median(values)
+    acc = 0.0
+    for value, weight in ranked:
+        acc += weight
+        if acc >= total / 2:
+            return value
+    return ranked[-1][0]
 
 
 def _passes(nodes: Sequence[str], work: Mapping[str, NodeWork]) -> list[tuple[str, float, int, bool]]:

@@ -252,8 +252,8 @@ def _eager_prices(plan: Any, timings: list[StageTiming],
             kf, kb = nodes.kernels.get(n, (0, 0))
             work[n] = (f, b, kf, kb, kf > 0 or hf > 0, kb > 0 or hb > 0)
     launch, fixed = fit_launch_costs(
-        [(stage.nodes, timing.seconds, sum(timing.nodes.unattributed)) for stage, timing in zip(plan.stages, timings)]
-        + list(pairs), work)
+        [(stage.nodes, timing.seconds, sum(timing.nodes.unattributed)) for stage, timing in zip(plan.stages, timings)],
+        work, pairs)
     seconds: dict[str, float] = {}
     for stage, timing in zip(plan.stages, timings):
         own = queue_prices(stage.nodes, work, launch)
