@@ -166,7 +166,9 @@ def in_situ_costs(links: Any, overhead: float, optimizer: tuple[float, float], c
     and the value whose predictions fit best (least mean squared log error) is kept.
     1. Host seconds a pipeline rank spends per tensor it sends or receives (gloo's post, the
        thread that waits on it, the hand-back, on cores the compute shares): FAN_PIPELINES at
-       the first of ``batches``, 0 to 1 ms, 25 us apart.
+       the first of ``batches``, 0 to 1 ms, 25 us apart; the 1F1B and GPipe ones first, then
+       the interleaved ones for the figure of an interleaved schedule, whose transfers complete
+       while the rank computes (a post there cost 2-3x, benchmarks/interleaved_step_cpu.py).
     2. The latency and the time per byte of a tensor-parallel collective of one micro-batch
        inside a step (both ranks must reach it, on cores the other process also runs on; an idle
        all-reduce says far less, see [Note: collectives in a step]): FAN_SHARDS at each of
@@ -180,8 +182,8 @@ def in_situ_costs(links: Any, overhead: float, optimizer: tuple[float, float], c
     Each layout is timed in two passes over them all (the lesser kept), as the benchmark times
     its own; each batch is priced with the profiles of its own micro-batch sizes, as the
     benchmark prices a model.
-    Returns the transfer overhead, ``links`` with the fitted tensor-parallel figures, and the
-    fit's rows."""
+    Returns the transfer overheads (1F1B and GPipe, interleaved), ``links`` with the fitted
+    tensor-parallel figures, and the fit's rows."""
     from autopipe.measure import RunSetup, profile_graph
     from autopipe.search import plan_layout
     from autopipe.tracer import trace
@@ -195,13 +197,15 @@ def in_situ_costs(links: Any, overhead: float, optimizer: tuple[float, float], c
     profiles = {b: [by_size[n] for n in sizes[b]] for b in batches}
     layouts: dict[tuple[int, str], Any] = {}
 
-    def price(links: Any, transfer: float, wanted: list[tuple[int, str]]) -> dict[tuple[int, str], float]:
+    def price(links: Any, transfer: float, wanted: list[tuple[int, str]],
+              interleaved: float | None = None) -> dict[tuple[int, str], float]:
         out = {}
         for b in sorted({b for b, _ in wanted}):
             result = plan_layout(model, devices=2, batch=b, device=cpu, links=links, measured=profiles[b],
                                  example_inputs=(torch.randn(sizes[b][0], 64, 256),), mixed_precision=None,
                                  modes=("eager",), action_overhead=overhead, optimizer_bytes=optimizer[0],
-                                 tensor_overhead=optimizer[1], transfer_overhead=transfer, recompute_options=(False,),
+                                 tensor_overhead=optimizer[1], transfer_overhead=transfer,
+                                 interleaved_transfer_overhead=interleaved, recompute_options=(False,),
                                  sequence_parallel=True, exact=10**6, timeline=False)
             for p in result.ranked:
                 key = (b, str(p.layout).removesuffix(" eager"))
@@ -218,9 +222,11 @@ def in_situ_costs(links: Any, overhead: float, optimizer: tuple[float, float], c
     def misfit(predicted: dict) -> float:
         return sum(float(np.log(p / measured[k])) ** 2 for k, p in predicted.items())
 
-    pipelines = [key for key in runs if key[1] in FAN_PIPELINES]
+    pipelines = [key for key in runs if key[1] in FAN_PIPELINES and "interleaved" not in key[1]]
     grid = [i * 25e-6 for i in range(41)]
     transfer = min(grid, key=lambda x: misfit(price(links, x, pipelines)))
+    interleaving = [key for key in runs if key[1] in FAN_PIPELINES and "interleaved" in key[1]]
+    interleaved = min(grid, key=lambda x: misfit(price(links, transfer, interleaving, x)))
     shards = [key for key in runs if key[1] in FAN_SHARDS]
     terms = _linear_terms(links, lambda lk: price(lk, transfer, shards))
     fitted = _fit_collectives(links, terms, measured)
@@ -231,10 +237,10 @@ def in_situ_costs(links: Any, overhead: float, optimizer: tuple[float, float], c
         float(np.log((base[k] + (by_call[k] - base[k]) * f / 1e-3) / measured[k])) ** 2 for k in sequence))
     fitted = dataclasses.replace(fitted, tp_follow_latency=follow, source=fitted.source + ", the following calls "
                                  "on tp=2 sp runs")
-    predicted = price(fitted, transfer, runs)
+    predicted = price(fitted, transfer, runs, interleaved)
     rows = [{"layout": n, "batch": b, "measured": measured[b, n], "predicted": predicted[b, n],
              **({"collective_terms": terms[b, n]} if (b, n) in terms else {})} for b, n in runs]
-    return transfer, fitted, rows
+    return (transfer, interleaved), fitted, rows
 
 
 def _time_fan(layout: Any, batch: int, profiles: list) -> float:
@@ -351,10 +357,11 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any)
     cpu = measure_profile("cpu")
     torch.manual_seed(0)
     fan_loss = lambda m: m(torch.randn(16, 64, 256)).square().mean()  # noqa: E731
-    per_transfer, links, fan_rows = in_situ_costs(links, overhead, optimizer_costs(Fan(), fan_loss, cpu.mem_bandwidth),
+    (per_transfer, per_interleaved), links, fan_rows = in_situ_costs(links, overhead, optimizer_costs(Fan(), fan_loss, cpu.mem_bandwidth),
                                                   cpu)
     if rank == 0:
-        print(f"transfer overhead {per_transfer * 1e6:.0f} us per tensor, tensor-parallel collectives "
+        print(f"transfer overhead {per_transfer * 1e6:.0f} us per tensor ({per_interleaved * 1e6:.0f} us interleaved), "
+              f"tensor-parallel collectives "
               f"{links.tp_latency * 1e6:.0f} us + {links.tp_bandwidth / 1e9:.2f} GB/s, following calls "
               f"{links.tp_follow_latency * 1e6:.0f} us (idle all-reduce "
               f"{links.collective_latency * 1e6:.0f} us + {links.collective_bandwidth / 1e9:.2f} GB/s); fitted on " + ", ".join(
@@ -380,7 +387,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any)
             model, devices=world, batch=args.batch, device=cpu, links=links, measured=profiles,
             example_inputs=(torch.randn(sizes[0], 3, 32, 32),), mixed_precision=None, modes=("eager",),
             action_overhead=overhead, optimizer_bytes=optimizer_bytes, tensor_overhead=per_tensor,
-            transfer_overhead=per_transfer, exact=10**6, timeline=False)
+            transfer_overhead=per_transfer, interleaved_transfer_overhead=per_interleaved, exact=10**6,
+            timeline=False)
         result = search(links)
         # What each tp=2 layout's price is made of (base, calls, bytes), to see how the fitted
         # in-step figures carry to this model.
@@ -420,6 +428,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any)
         if rank == 0:
             rows.append({"model": name, "chosen": str(result.best.layout), "search_seconds": result.seconds,
                          "links": links.source, "driver_overhead": overhead, "transfer_overhead": per_transfer,
+                         "interleaved_transfer_overhead": per_interleaved,
                          "transfer_fit": fan_rows,
                          "tensor_overhead": per_tensor, "optimizer_bytes": optimizer_bytes, "link_model": dataclasses.asdict(links)})
     if rank == 0:

@@ -73,6 +73,18 @@ def test_transfer_overhead_is_paid_per_tensor_in_the_pipeline():
     assert taxed.parts["pipeline"] - base.parts["pipeline"] >= 4 * 2 * crossing * 1e-3 * 0.99
 
 
+def test_an_interleaved_schedule_pays_its_own_transfer_overhead():
+    graph = GraphCosts(_vit_graph(), 2)
+    plain, interleaved = (Layout(2, 1, 1, 4, chunks, schedule, False, False, "eager")
+                          for chunks, schedule in ((1, "1f1b"), (2, "interleaved_1f1b")))
+    same = dataclasses.replace(_pricing(8), transfer_overhead=1e-3)
+    apart = dataclasses.replace(same, interleaved_transfer_overhead=3e-3)
+    assert predict(graph, plain, apart).step_seconds == predict(graph, plain, same).step_seconds
+    assert predict(graph, interleaved, apart).step_seconds > predict(graph, interleaved, same).step_seconds + 4 * 2e-3
+    unset = dataclasses.replace(same, interleaved_transfer_overhead=None)
+    assert predict(graph, interleaved, unset).step_seconds == predict(graph, interleaved, same).step_seconds
+
+
 def test_replayed_stages_pay_their_boundary_copies():
     """[Note: boundary copies]: with CUDA graphs each stage beside a cut spends the table's
     seconds per byte of it; eager stages do not; and the balancer sees the copies."""

@@ -37,8 +37,8 @@ def plan_layout(model: nn.Module | str, *, devices: int, batch: int, device: str
                 example_inputs: Sequence[torch.Tensor] | None = None, image_size: int | None = None,
                 mixed_precision: str | None = "bf16", modes: tuple[str, ...] | None = None,
                 action_overhead: float | None = None, tensor_overhead: float | None = None,
-                transfer_overhead: float | None = None, optimizer_bytes: float = ADAMW_BYTES_PER_PARAM,
-                **options) -> SearchResult:
+                transfer_overhead: float | None = None, interleaved_transfer_overhead: float | None = None,
+                optimizer_bytes: float = ADAMW_BYTES_PER_PARAM, **options) -> SearchResult:
     """Rank the layouts of ``model`` on ``devices`` devices of kind ``device`` for a global
     ``batch``. The model is traced once, at the micro-batch of ``example_inputs`` or at
     ``min(8, batch)`` images; ``measured`` (profiles, by micro-batch size or in a list, or one
@@ -46,7 +46,8 @@ def plan_layout(model: nn.Module | str, *, devices: int, batch: int, device: str
     the layouts that checkpoint. ``memory`` is the budget per device in bytes. ``options`` go to
     :func:`search_layouts`. ``action_overhead``, ``tensor_overhead`` and ``transfer_overhead``
     are the host seconds the driver adds per compute, the optimizer per parameter tensor and a
-    pipeline rank per tensor it sends or receives (defaults by device: see HOST_COSTS);
+    pipeline rank per tensor it sends or receives (defaults by device: see HOST_COSTS), and
+    ``interleaved_transfer_overhead`` the last under an interleaved schedule (default: the same);
     ``optimizer_bytes`` what the optimizer's step moves per parameter (AdamW's fused step by
     default; torch's single-tensor step on CPU moves several times more)."""
 
@@ -71,6 +72,7 @@ def plan_layout(model: nn.Module | str, *, devices: int, batch: int, device: str
                       action_overhead=HOST_COSTS[kind][0] if action_overhead is None else action_overhead,
                       tensor_overhead=HOST_COSTS[kind][1] if tensor_overhead is None else tensor_overhead,
                       transfer_overhead=HOST_COSTS[kind][2] if transfer_overhead is None else transfer_overhead,
+                      interleaved_transfer_overhead=interleaved_transfer_overhead,
                       optimizer_bytes=optimizer_bytes)
     return search_layouts(traced, devices=devices, batch=batch, pricing=pricing, modes=modes or DEFAULT_MODES[kind],
                           memory=memory, measured=measured, **options)

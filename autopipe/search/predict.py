@@ -60,6 +60,10 @@ class Pricing:
     tensor_overhead: float = 0.0  # host seconds per parameter tensor of the optimizer's step and the norm
     optimizer_bytes: float = ADAMW_BYTES_PER_PARAM  # bytes the optimizer's step moves per parameter
     transfer_overhead: float = 0.0  # host seconds per tensor sent or received between pipeline stages
+    # The same under an interleaved schedule (None: ``transfer_overhead``). On a CPU a post costs
+    # more there: its transfers complete while the rank computes (docs/benchmarks.md, "where an
+    # interleaved step's time goes").
+    interleaved_transfer_overhead: float | None = None
 
 
 @dataclass
@@ -145,7 +149,8 @@ def predict(graph: GraphCosts, layout: Layout, pricing: Pricing, *, timeline: bo
     stage_b = [float(b_prefix[j] - b_prefix[i]) + (overhead + c) / 2 for i, j, c in zip(starts, ends, copied)]
     sends = [link.p2p(float(cut_bytes[j - 1])) if j < len(compute) else 0.0 for j in ends]
     grads = [link.p2p(float(cut_bytes[i - 1])) if i > 0 else 0.0 for i in starts]
-    per_transfer = pricing.transfer_overhead
+    per_transfer = pricing.transfer_overhead if layout.chunks == 1 or pricing.interleaved_transfer_overhead is None \
+        else pricing.interleaved_transfer_overhead
     host_act = [per_transfer * float(graph.cut_tensors[j - 1]) if j < len(compute) else 0.0 for j in ends]
     host_grad = [per_transfer * float(graph.cut_tensors[i - 1]) if i > 0 else 0.0 for i in starts]
     run = replay(layout.schedule, layout.pp, layout.microbatches, layout.chunks, stage_f, stage_b,
