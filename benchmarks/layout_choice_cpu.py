@@ -167,8 +167,8 @@ def in_situ_costs(links: Any, overhead: float, optimizer: tuple[float, float], c
     1. Host seconds a pipeline rank spends per tensor it sends or receives (gloo's post, the
        thread that waits on it, the hand-back, on cores the compute shares): FAN_PIPELINES at
        the first of ``batches``, 0 to 1 ms, 25 us apart; the 1F1B and GPipe ones first, then
-       the interleaved ones for the figure of an interleaved schedule, whose transfers complete
-       while the rank computes (a post there cost 2-3x, benchmarks/interleaved_step_cpu.py).
+       the interleaved ones for the figure of an interleaved schedule, fitted apart: a post
+       costs the host differently in the two (benchmarks/interleaved_step_cpu.py).
     2. The latency and the time per byte of a tensor-parallel collective of one micro-batch
        inside a step (both ranks must reach it, on cores the other process also runs on; an idle
        all-reduce says far less, see [Note: collectives in a step]): FAN_SHARDS at each of

@@ -60,9 +60,9 @@ class Pricing:
     tensor_overhead: float = 0.0  # host seconds per parameter tensor of the optimizer's step and the norm
     optimizer_bytes: float = ADAMW_BYTES_PER_PARAM  # bytes the optimizer's step moves per parameter
     transfer_overhead: float = 0.0  # host seconds per tensor sent or received between pipeline stages
-    # The same under an interleaved schedule (None: ``transfer_overhead``). On a CPU a post costs
-    # more there: its transfers complete while the rank computes (docs/benchmarks.md, "where an
-    # interleaved step's time goes").
+    # The same under an interleaved schedule (None: ``transfer_overhead``): on a CPU a post costs
+    # the host differently there, where more transfers are in flight and complete while the rank
+    # computes (docs/benchmarks.md, "where an interleaved step's time goes").
     interleaved_transfer_overhead: float | None = None
 
 
