@@ -141,7 +141,7 @@ def test_the_timed_pairs_are_adjacent_segments_spread_over_the_graph():
     order = [n.name for n in traced.gm.graph.nodes if n.op != "output"]
     ends = starts[1:] + [len(order)]
     segments = [StageTiming(0.0, 0.0, NodeTimes({}, {}, {}, (1e-6 * k, 0.0))) for k in range(len(starts))]
-    pairs = _timed_pairs(traced, starts, RunSetup("cpu", reps=1, warmup=0), get_profile("cpu"), segments, None, 1)
+    pairs = _timed_pairs(traced, starts, RunSetup("cpu", reps=1, warmup=0), get_profile("cpu"), segments, None, 0, 1)
     assert len(pairs) == min(PAIRS_TIMED, len(starts) // 2) >= 2
     firsts = []
     for nodes, timing, lost in pairs:

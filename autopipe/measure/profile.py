@@ -139,7 +139,7 @@ def profile_graph(traced: TracedModel, setup: RunSetup, *, segments: int | None 
         segs = [Segment(seg.start, seg.end, seg.forward * scale, seg.backward * scale) for seg in segs]
         seconds = spread(segs, order, [sum(detail.get(n, (0.0, 0.0))[:2]) for n in order])
     elif setup.mode == "eager":
-        timed = _timed_pairs(traced, starts, setup, analytic, stage_timings, group, world)
+        timed = _timed_pairs(traced, starts, setup, analytic, stage_timings, group, rank, world)
         pairs = [Segment(order.index(nodes[0]), order.index(nodes[-1]) + 1, t.forward, t.backward)
                  for nodes, t, _ in timed]
         seconds, overhead = _eager_prices(plan, stage_timings, [(nodes, t.seconds, lost) for nodes, t, lost in timed])
@@ -204,7 +204,8 @@ def _share(work: Callable[[], dict[int, StageTiming]], group: Any, world: int) -
 
 
 def _timed_pairs(traced: TracedModel, starts: list[int], setup: RunSetup, analytic: DeviceProfile,
-                 segments: list[StageTiming], group: Any, world: int) -> list[tuple[list[str], StageTiming, float]]:
+                 segments: list[StageTiming], group: Any, rank: int,
+                 world: int) -> list[tuple[list[str], StageTiming, float]]:
     """A few pairs of adjacent segments, each timed whole as one stage: (nodes, timing, device
     seconds no node claims). See [Note: segment pairs]."""
     pairs = partition_at(traced, starts[::2], device=analytic, activation_dtype=setup.compute_dtype)
@@ -213,7 +214,6 @@ def _timed_pairs(traced: TracedModel, starts: list[int], setup: RunSetup, analyt
         return []
     picked = sorted({whole[round(k * (len(whole) - 1) / max(PAIRS_TIMED - 1, 1))]
                      for k in range(min(PAIRS_TIMED, len(whole)))})
-    rank = _rank_world(group)[0]
     mine = [p for k, p in enumerate(picked) if k % world == rank]
     timings = _share(lambda: time_stages(traced, pairs, setup, mine), group, world)
     return [(pairs.stages[p].nodes, timings[p],
