@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import faulthandler
 import os
 import traceback
 from typing import Any, Callable
@@ -16,6 +17,9 @@ __all__ = ["init_ranks", "log", "max_over_ranks", "record_row", "peak_gib", "fin
 def init_ranks(smoke: bool) -> torch.device:
     """NCCL and this rank's GPU, or gloo and the CPU (one thread) for a smoke run or no GPU."""
     cuda = torch.cuda.is_available() and not smoke
+    every = os.environ.get("BENCH_TRACEBACKS_EVERY")  # seconds: every thread's stack, again and again (a stall)
+    if every:
+        faulthandler.dump_traceback_later(float(every), repeat=True)
     dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=300))
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

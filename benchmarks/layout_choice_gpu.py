@@ -18,7 +18,9 @@ For each timm model and global batch (``name:batch``), on the GPUs of this torch
    ``parallelize(**layout.parallelize_kwargs(), mixed_precision="bf16")`` on fresh random weights,
    trained with AdamW (torch's default, multi-tensor on CUDA) through ``pm.step``; a step is timed
    between two synchronisations, the slowest rank's time, median of ``--steps`` after
-   ``--warmup`` (CUDA graphs are captured and stages compiled in the warm-up).
+   ``--warmup`` (CUDA graphs are captured and stages compiled in the warm-up). CUDA events split
+   each step into the pipeline (``train_step``) and the rest (the dp all-reduce, the norm and the
+   optimizer's step, in ``pm.step``), each predicted apart.
 Targets (issues: automatic layout; several-GPU checks): every measured layout's predicted step
 time within 15% of its measured one, and the chosen layout (the search's first) within 5% of the
 best measured. Results are written after every layout; the table is printed last; exits 1 on a
@@ -104,28 +106,43 @@ def time_layout(model: nn.Module, layout: Layout, layout_prediction: float, batc
     x = torch.randn(per, 3, img, img, generator=g).to(device)
     y = torch.randint(0, classes, (per,), generator=g).to(device)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
-    times = []
+    times, phases = [], []
+    cuda = device.type == "cuda"
     for i in range(args.warmup + args.steps):
-        if device.type == "cuda":
+        if cuda:
             torch.cuda.synchronize()
         dist.barrier()
         t0 = time.perf_counter()
-        pm.train_step(x, y)
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if cuda else []
+        if cuda:
+            marks[0].record()
+        # The dp all-reduce runs in step() (it would at the end of train_step otherwise), so the
+        # GPU timeline splits into the pipeline and the rest the prediction prices apart.
+        with pm.no_sync():
+            pm.train_step(x, y)
+        marks[1].record() if cuda else marks.append(time.perf_counter())
         pm.step(opt)
+        marks[2].record() if cuda else marks.append(time.perf_counter())
         opt.zero_grad(set_to_none=True)
-        if device.type == "cuda":
+        if cuda:
             torch.cuda.synchronize()
-        seconds = torch.tensor([time.perf_counter() - t0], device=device)
+        split = [marks[0].elapsed_time(marks[1]) / 1e3, marks[1].elapsed_time(marks[2]) / 1e3] if cuda else \
+            [marks[0] - t0, marks[1] - marks[0]]  # a CPU's ops are done when they return
+        seconds = torch.tensor([time.perf_counter() - t0] + split, device=device)
         dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
         if i >= args.warmup:
-            times.append(float(seconds))
+            times.append(float(seconds[0]))
+            phases.append([float(v) for v in seconds[1:]])
         if i == 0:
-            first = float(seconds)
+            first = float(seconds[0])
     del opt
     pm.close()
-    return {"measured": statistics.median(times), "spread": (max(times) - min(times)) / statistics.median(times),
+    median = statistics.median(times)
+    return {"measured": median, "spread": (max(times) - min(times)) / median, "times": times,
+            "pipeline_measured": statistics.median(p[0] for p in phases),
+            "rest_measured": statistics.median(p[1] for p in phases),
             "build_s": build_s, "first_step_s": first, "peak_gib": peak_gib(device),
-            "error": layout_prediction / statistics.median(times) - 1}
+            "error": layout_prediction / median - 1}
 
 
 def run_model(name: str, batch: int, args: argparse.Namespace, device: torch.device, links: Any,
@@ -156,9 +173,11 @@ def run_model(name: str, batch: int, args: argparse.Namespace, device: torch.dev
         record_row(rows, row, lambda p=p: time_layout(copy.deepcopy(model), p.layout, p.step_seconds, batch, args,
                                                       device), device, save)
         if "measured" in row:
+            rest = sum(v for k, v in row["parts"].items() if k != "pipeline")
             log(f"  #{row['rank']:<3d} {row['layout']:48s} predicted {row['predicted'] * 1e3:8.1f} ms  measured "
                 f"{row['measured'] * 1e3:8.1f} ms  {row['error']:+6.1%}  {row['peak_gib']:5.1f} GiB "
-                f"(predicted {row['predicted_gib']:5.1f})")
+                f"(predicted {row['predicted_gib']:5.1f}); pipeline {row['parts']['pipeline'] * 1e3:.1f} / "
+                f"{row['pipeline_measured'] * 1e3:.1f} ms, rest {rest * 1e3:.1f} / {row['rest_measured'] * 1e3:.1f} ms")
         else:
             log(f"  #{row['rank']:<3d} {row['layout']:48s} failed: {row['failure'][:120]}")
     rows.append({"model": name, "batch": batch, "chosen": str(search.best.layout), "search_seconds": search.seconds,

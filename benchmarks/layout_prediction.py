@@ -54,9 +54,14 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             time_error = p.step_seconds / r["measured"] - 1
             memory_error = p.memory_bytes / 2**30 / r["peak_gib"] - 1
+            split = ""
+            if "pipeline_measured" in r:  # the run split its steps (CUDA events): pipeline, then the rest
+                rest = p.step_seconds - p.parts["pipeline"]
+                split = (f"   pipeline {p.parts['pipeline'] * 1e3:6.1f} / {r['pipeline_measured'] * 1e3:6.1f}"
+                         f"   rest {rest * 1e3:5.1f} / {r['rest_measured'] * 1e3:5.1f}")
             print(f"{name[:22]:22s} {r['layout']:36s} {r['measured'] * 1e3:11.1f} {r['predicted'] * 1e3:7.1f} "
                   f"{p.step_seconds * 1e3:7.1f} {time_error:+7.1%}   {r['peak_gib']:5.1f} "
-                  f"{p.memory_bytes / 2**30:5.1f} {memory_error:+7.1%}")
+                  f"{p.memory_bytes / 2**30:5.1f} {memory_error:+7.1%}{split}")
             out.append({"model": name, "batch": batch, "layout": r["layout"], "measured": r["measured"],
                         "predicted_then": r["predicted"], "predicted": p.step_seconds, "error": time_error,
                         "peak_gib": r["peak_gib"], "predicted_gib": p.memory_bytes / 2**30,

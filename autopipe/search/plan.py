@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import torch
@@ -14,21 +15,50 @@ from autopipe.partition.measured import MeasuredCosts
 from autopipe.planning import planning_graph
 
 from .links import LinkModel
-from .predict import ADAMW_BYTES_PER_PARAM, Pricing
+from .predict import ADAMW_BYTES_PER_PARAM, ADAMW_FOREACH_BYTES_PER_PARAM, Pricing
 from .search import SearchResult, search_layouts
 
-__all__ = ["plan_layout", "DEFAULT_MODES", "HOST_COSTS"]
+__all__ = ["plan_layout", "DEFAULT_MODES", "STEP_DEFAULTS", "StepDefaults"]
 
 # Execution modes weighed by default: on GPUs every one; on CPU stages run eagerly.
 DEFAULT_MODES = {"cuda": ("eager", "graphs", "compiled", "compiled+graphs"), "cpu": ("eager",)}
-# Host seconds (per compute the driver runs, per parameter tensor the optimizer steps, per
-# tensor a pipeline stage sends or receives) when not measured: on CUDA the optimizer's
-# multi-tensor kernels make the second small, and a transfer's posting overlaps the GPU's work;
-# on CPU torch's AdamW takes its single-tensor path, about ten small kernels per tensor (~35 us
-# measured on a 2-core x86 box, one thread), and each gloo transfer is posted, waited on by a
-# thread and handed back while the compute shares the same cores (~150 us on that box, see
-# benchmarks/layout_choice_cpu.py).
-HOST_COSTS = {"cuda": (10e-6, 2e-6, 0.0), "cpu": (200e-6, 35e-6, 150e-6)}
+
+
+@dataclass(frozen=True)
+class StepDefaults:
+    """What a step costs beside its stages, by kind of device, where the caller measured none.
+
+    - ``action``: host seconds the driver adds per compute;
+    - ``tensor``: host seconds per parameter tensor of the optimizer's step;
+    - ``norm_tensor``: host seconds per parameter tensor of the global gradient norm;
+    - ``transfer``: host seconds per tensor a pipeline stage sends or receives;
+    - ``optimizer_bytes``: bytes the optimizer's step moves per parameter;
+    - ``neighbour_scale``: how much slower a stage computes while its rank's NCCL transfers or
+      tensor-parallel collectives run beside it (their kernels hold SMs while they wait).
+
+    CUDA: torch's default AdamW (multi-tensor "foreach"), as ``benchmarks/optimizer_step_gpu.py``
+    timed it on an H200 (5.4 us per tensor and 93 B per parameter at the profile's 4.3 TB/s;
+    the norm 3.9 us per tensor; benchmarks/results/2026-11-27-h200-optimizer-step.json). The neighbour
+    scale is the median of the pipeline part of the pp > 1 and tp > 1 layouts measured on 4
+    H200s against their prediction (1.11-1.24; benchmarks/results/2026-11-27-h200x4-layout-choice-
+    before-step-pricing.json); a second run there and a 2 x H100 run priced with it came within
+    15% in 38 of 38 layouts (docs/benchmarks.md, "Several GPUs: the layout search measured");
+    a transfer's posting overlaps the GPU's work. CPU: torch's AdamW takes its single-tensor
+    path, about ten small kernels per tensor (~35 us measured on a 2-core x86 box, one thread),
+    and each gloo transfer is posted, waited on by a thread and handed back while the compute
+    shares the same cores (~150 us on that box, see benchmarks/layout_choice_cpu.py).
+    """
+
+    action: float
+    tensor: float
+    norm_tensor: float
+    transfer: float
+    optimizer_bytes: float
+    neighbour_scale: float = 1.0
+
+
+STEP_DEFAULTS = {"cuda": StepDefaults(10e-6, 5.4e-6, 3.9e-6, 0.0, ADAMW_FOREACH_BYTES_PER_PARAM, 1.17),
+                 "cpu": StepDefaults(200e-6, 35e-6, 3.5e-6, 150e-6, ADAMW_BYTES_PER_PARAM)}
 
 
 def plan_layout(model: nn.Module | str, *, devices: int, batch: int, device: str | DeviceProfile = "h100",
@@ -38,7 +68,7 @@ def plan_layout(model: nn.Module | str, *, devices: int, batch: int, device: str
                 mixed_precision: str | None = "bf16", modes: tuple[str, ...] | None = None,
                 action_overhead: float | None = None, tensor_overhead: float | None = None,
                 transfer_overhead: float | None = None, interleaved_transfer_overhead: float | None = None,
-                optimizer_bytes: float = ADAMW_BYTES_PER_PARAM, **options) -> SearchResult:
+                optimizer_bytes: float | None = None, **options) -> SearchResult:
     """Rank the layouts of ``model`` on ``devices`` devices of kind ``device`` for a global
     ``batch``. The model is traced once, at the micro-batch of ``example_inputs`` or at
     ``min(8, batch)`` images; ``measured`` (profiles, by micro-batch size or in a list, or one
@@ -46,10 +76,10 @@ def plan_layout(model: nn.Module | str, *, devices: int, batch: int, device: str
     the layouts that checkpoint. ``memory`` is the budget per device in bytes. ``options`` go to
     :func:`search_layouts`. ``action_overhead``, ``tensor_overhead`` and ``transfer_overhead``
     are the host seconds the driver adds per compute, the optimizer per parameter tensor and a
-    pipeline rank per tensor it sends or receives (defaults by device: see HOST_COSTS), and
+    pipeline rank per tensor it sends or receives (defaults by device: see STEP_DEFAULTS), and
     ``interleaved_transfer_overhead`` the last under an interleaved schedule (default: the same);
-    ``optimizer_bytes`` what the optimizer's step moves per parameter (AdamW's fused step by
-    default; torch's single-tensor step on CPU moves several times more)."""
+    ``optimizer_bytes`` what the optimizer's step moves per parameter (by default torch's
+    AdamW on CUDA, about 93 B; ``ADAMW_BYTES_PER_PARAM`` prices ``AdamW(fused=True)``)."""
 
     profile = get_profile(device)
     if isinstance(measured, MeasuredCosts):
@@ -66,14 +96,17 @@ def plan_layout(model: nn.Module | str, *, devices: int, batch: int, device: str
         raise ConfigError(f"mixed_precision={mixed_precision!r}; use None, 'bf16' or 'fp16'")
     low = mixed_precision in ("bf16", "fp16")
     kind = "cpu" if profile.name == "cpu" else "cuda"
+    defaults = STEP_DEFAULTS[kind]
     floating = next((d for d in traced.input_dtypes if d.is_floating_point), torch.float32)
     pricing = Pricing(profile, links or LinkModel.from_profile(profile), batch,
                       activation_bytes=2 / floating.itemsize if low else 1.0, weight_cast_bytes=2.0 if low else 0.0,
-                      action_overhead=HOST_COSTS[kind][0] if action_overhead is None else action_overhead,
-                      tensor_overhead=HOST_COSTS[kind][1] if tensor_overhead is None else tensor_overhead,
-                      transfer_overhead=HOST_COSTS[kind][2] if transfer_overhead is None else transfer_overhead,
+                      action_overhead=defaults.action if action_overhead is None else action_overhead,
+                      tensor_overhead=defaults.tensor if tensor_overhead is None else tensor_overhead,
+                      norm_tensor_overhead=defaults.norm_tensor,
+                      transfer_overhead=defaults.transfer if transfer_overhead is None else transfer_overhead,
                       interleaved_transfer_overhead=interleaved_transfer_overhead,
-                      optimizer_bytes=optimizer_bytes)
+                      optimizer_bytes=defaults.optimizer_bytes if optimizer_bytes is None else optimizer_bytes,
+                      neighbour_scale=defaults.neighbour_scale)
     return search_layouts(traced, devices=devices, batch=batch, pricing=pricing, modes=modes or DEFAULT_MODES[kind],
                           memory=memory, measured=measured, **options)
 

@@ -12,7 +12,9 @@ For one layout (search/layouts.py) on one graph (search/costs.py):
    ``parallelize`` would make from the same costs;
 3. the schedule's action lists are replayed with the stages' forward and backward times and
    the transfers between them (search/replay.py), each tensor sent or received costing its
-   rank ``transfer_overhead`` of host time: the pipeline's makespan and bubble;
+   rank ``transfer_overhead`` of host time: the pipeline's makespan and bubble. Where NCCL
+   transfers or collectives run beside a stage (pp > 1 or tp > 1) its compute is scaled by
+   ``neighbour_scale``: their kernels hold SMs while they wait for the peer;
 4. the step adds the data-parallel all-reduce of the gradients (after the last backward, as
    the runtime does it, in flat buckets the gradients are copied into and back from), the
    global gradient norm (a pass and a scalar all-reduce), the optimizer's pass over its state
@@ -44,7 +46,11 @@ __all__ = ["Prediction", "predict", "Pricing", "stage_overhead", "boundary_copy_
 
 FRAGMENTATION = 1.10
 NORM_OPS_PER_TENSOR = 10  # a tensor's norm is one kernel; its AdamW update about ten (single-tensor path)
-ADAMW_BYTES_PER_PARAM = 32.0  # read param, grad, 2 moments; write param, 2 moments (fp32), + grad zeroing
+ADAMW_BYTES_PER_PARAM = 32.0  # fused: read param, grad, 2 moments; write param, 2 moments (fp32), + grad zeroing
+# torch's default AdamW on CUDA (multi-tensor "foreach"): eight passes, some over temporaries
+# (the moments' square root, divided, plus eps), 93 B per parameter as an H200 timed it
+# (benchmarks/optimizer_step_gpu.py).
+ADAMW_FOREACH_BYTES_PER_PARAM = 93.0
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,12 @@ class Pricing:
     # the host differently there, where more transfers are in flight and complete while the rank
     # computes (docs/benchmarks.md, "where an interleaved step's time goes").
     interleaved_transfer_overhead: float | None = None
+    # Host seconds per parameter tensor of the global gradient norm (None: a tenth of
+    # ``tensor_overhead``, one kernel against the optimizer's ten on CPU).
+    norm_tensor_overhead: float | None = None
+    # Stage compute runs this much slower on a rank whose NCCL transfers (pp > 1) or collectives
+    # (tp > 1) run beside it; see plan.StepDefaults.
+    neighbour_scale: float = 1.0
 
 
 @dataclass
@@ -145,8 +157,9 @@ def predict(graph: GraphCosts, layout: Layout, pricing: Pricing, *, timeline: bo
     f_prefix, b_prefix = np.concatenate(([0.0], np.cumsum(fwd))), np.concatenate(([0.0], np.cumsum(bwd)))
     copied = [(float(copies[i - 1]) if i > 0 else 0.0) + (float(copies[j - 1]) if j < len(compute) else 0.0)
               for i, j in zip(starts, ends)]  # half in the forward, half in the backward
-    stage_f = [float(f_prefix[j] - f_prefix[i]) + (overhead + c) / 2 for i, j, c in zip(starts, ends, copied)]
-    stage_b = [float(b_prefix[j] - b_prefix[i]) + (overhead + c) / 2 for i, j, c in zip(starts, ends, copied)]
+    scale = pricing.neighbour_scale if layout.pp > 1 or layout.tp > 1 else 1.0
+    stage_f = [float(f_prefix[j] - f_prefix[i]) * scale + (overhead + c) / 2 for i, j, c in zip(starts, ends, copied)]
+    stage_b = [float(b_prefix[j] - b_prefix[i]) * scale + (overhead + c) / 2 for i, j, c in zip(starts, ends, copied)]
     sends = [link.p2p(float(cut_bytes[j - 1])) if j < len(compute) else 0.0 for j in ends]
     grads = [link.p2p(float(cut_bytes[i - 1])) if i > 0 else 0.0 for i in starts]
     per_transfer = pricing.transfer_overhead if layout.chunks == 1 or pricing.interleaved_transfer_overhead is None \
@@ -182,7 +195,9 @@ def predict(graph: GraphCosts, layout: Layout, pricing: Pricing, *, timeline: bo
     casts = most * (4 + pricing.weight_cast_bytes) / bandwidth if pricing.weight_cast_bytes else 0.0
     # The global gradient norm step() takes (non-finite steps are skipped): a pass over the
     # gradients and a scalar all-reduce over the mesh.
-    norm = most * 4 / bandwidth + per_tensor / NORM_OPS_PER_TENSOR \
+    norm_tensor = pricing.tensor_overhead / NORM_OPS_PER_TENSOR if pricing.norm_tensor_overhead is None \
+        else pricing.norm_tensor_overhead
+    norm = most * 4 / bandwidth + max(tensors) * norm_tensor \
         + (link.collective_latency if layout.pp * layout.tp * layout.dp > 1 else 0.0)
     step = run.makespan + all_reduce + optimizer + casts + norm
     memory = _memory(graph, layout, starts, ends, state, params, size, pricing)

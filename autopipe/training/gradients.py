@@ -85,13 +85,18 @@ def global_grad_norm(
     tensors replicated over tp, those of tp rank 0 only; ``groups`` are summed over (pp, tp).
     dp replicas hold equal gradients after averaging and are not summed over.
     """
-    grads = [p.grad for p in counted if p.grad is not None]
+    grads = [p.grad.detach() for p in counted if p.grad is not None]
     total = torch.zeros((), dtype=torch.float32, device=device)
-    if grads:
-        # One read of each gradient (pow(2).sum() writes and reads a temporary as large).
-        low = (torch.float16, torch.bfloat16)
-        total = torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float32 if g.dtype in low else None).float()
-                             for g in grads]).square().sum()
+    # One read of each gradient, in multi-tensor kernels grouped by device and dtype: a Python
+    # loop of one norm per tensor cost ViT-L/16's step about 5 ms of launches (296 tensors) on
+    # an H200 (results/2026-11-27-h200x4-layout-choice.json, "rest" of a one-GPU step).
+    groups_by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in grads:
+        groups_by_kind.setdefault((g.device, g.dtype), []).append(g)
+    low = (torch.float16, torch.bfloat16)
+    for (_, dtype), tensors in groups_by_kind.items():
+        norms = torch._foreach_norm(tensors, 2, dtype=torch.float32 if dtype in low else None)
+        total = total + torch.stack(norms).float().square().sum().to(device)
     for group in groups:
         if group is not None and dist.get_world_size(group) > 1:
             wait_works([dist.all_reduce(total, group=group, async_op=True)],
