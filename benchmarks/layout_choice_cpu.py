@@ -176,9 +176,13 @@ def in_situ_costs(links: Any, overhead: float, optimizer: tuple[float, float], c
        4x apart at the same calls), 0 to 4 ms 25 us apart by 0 to 20 ns a byte 0.1 ns apart,
        with 1. fixed (``_fit_collectives``).
     3. The latency of a collective that follows another closely inside a step (of a sequence-parallel
-       reduce-scatter and all-gather pair, one): FAN_SEQUENCE at the first of ``batches``, 0 to 4 ms,
+       reduce-scatter and all-gather pair, one): FAN_SEQUENCE at each of ``batches``, 0 to 4 ms,
        25 us apart, with 1. and 2. fixed. Priced at the idle latency, ViT's sequence-parallel
-       layouts gained about half what they measured over the same layouts without it.
+       layouts gained about half what they measured over the same layouts without it. Fitted on
+       one batch only, it moved from 350 us to 1425 us between runs and left ViT's sequence-
+       parallel layouts 18-24% short in the run that read 350 (2026-11-27-cpu-layout-choice-vit-
+       interleaved-transfers-2.json); its calls scale with the micro-batches and its bytes with
+       the batch, so the second batch tells the latency from what a call moves.
     Each layout is timed in two passes over them all (the lesser kept), as the benchmark times
     its own; each batch is priced with the profiles of its own micro-batch sizes, as the
     benchmark prices a model.
@@ -190,7 +194,7 @@ def in_situ_costs(links: Any, overhead: float, optimizer: tuple[float, float], c
 
     torch.manual_seed(0)
     model = Fan()
-    runs = [(batches[0], n) for n in FAN_PIPELINES + FAN_SEQUENCE] + [(b, n) for b in batches for n in FAN_SHARDS]
+    runs = [(batches[0], n) for n in FAN_PIPELINES] + [(b, n) for b in batches for n in FAN_SHARDS + FAN_SEQUENCE]
     sizes = {b: sorted({b // int(n.split()[3][1:]) for bb, n in runs if bb == b}) for b in batches}
     by_size = {n: profile_graph(trace(model, (torch.randn(n, 64, 256),)), RunSetup("cpu", reps=5, warmup=2), segments=8)
                for n in sorted(set().union(*sizes.values()))}
@@ -373,6 +377,10 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any)
         floor, _ = min_microbatch(trace(model, (torch.randn(args.batch, 3, 32, 32),)))  # BatchNorm's least
         sizes = sorted({layout.microbatch_size(args.batch) for layout, _, _ in
                         layout_space.layouts(world, args.batch, modes=("eager",)) if layout is not None} - set(range(floor)))
+        # The machine's pace as the profiles are timed, beside that of every layout's timing
+        # (``pass_clock``): a run whose layouts all read slower or faster than predicted by the
+        # same fraction is told apart from a cost model's error by the two paces.
+        profile_pace = _pace_probe()
         profiles = []
         for size in sizes:
             traced = trace(model, (torch.randn(size, 3, 32, 32),))
@@ -429,7 +437,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any)
             rows.append({"model": name, "chosen": str(result.best.layout), "search_seconds": result.seconds,
                          "links": links.source, "driver_overhead": overhead, "transfer_overhead": per_transfer,
                          "interleaved_transfer_overhead": per_interleaved,
-                         "transfer_fit": fan_rows,
+                         "transfer_fit": fan_rows, "profile_pace": profile_pace,
                          "tensor_overhead": per_tensor, "optimizer_bytes": optimizer_bytes, "link_model": dataclasses.asdict(links)})
     if rank == 0:
         out.put(rows)
@@ -449,6 +457,11 @@ def summarise(rows: list[dict]) -> list[str]:
         print(f"{name}: {len(runs)} layouts, {within} predicted within {MAX_ERROR:.0%} (worst {worst['layout']}: "
               f"{worst['error']:+.1%}); chosen {chosen} at {pick['measured'] * 1e3:.1f} ms, best measured "
               f"{best['layout']} at {best['measured'] * 1e3:.1f} ms ({regret:+.1%})")
+        meta = next(r for r in rows if r["model"] == name and "chosen" in r)
+        if "profile_pace" in meta:
+            timed = statistics.median(pace for r in runs for _, pace in r["pass_clock"])
+            print(f"  the machine's pace probe: {meta['profile_pace'] * 1e3:.2f} ms as the profiles were timed, "
+                  f"{timed * 1e3:.2f} ms (median) as the layouts were")
         failures += [f"{name} {r['layout']}: predicted {r['error']:+.1%} off" for r in runs
                      if abs(r["error"]) > MAX_ERROR]
         if regret > MAX_REGRET:
