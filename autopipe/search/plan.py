@@ -30,7 +30,8 @@ class StepDefaults:
 
     - ``action``: host seconds the driver adds per compute;
     - ``tensor``: host seconds per parameter tensor of the optimizer's step;
-    - ``norm_tensor``: host seconds per parameter tensor of the global gradient norm;
+    - ``norm_tensor``: host seconds per parameter tensor of the global gradient norm (None: a
+      tenth of ``tensor``, one kernel against the optimizer's ten);
     - ``transfer``: host seconds per tensor a pipeline stage sends or receives;
     - ``optimizer_bytes``: bytes the optimizer's step moves per parameter;
     - ``neighbour_scale``: how much slower a stage computes while its rank's NCCL transfers or
@@ -51,14 +52,14 @@ class StepDefaults:
 
     action: float
     tensor: float
-    norm_tensor: float
+    norm_tensor: float | None
     transfer: float
     optimizer_bytes: float
     neighbour_scale: float = 1.0
 
 
 STEP_DEFAULTS = {"cuda": StepDefaults(10e-6, 5.4e-6, 3.9e-6, 0.0, ADAMW_FOREACH_BYTES_PER_PARAM, 1.17),
-                 "cpu": StepDefaults(200e-6, 35e-6, 3.5e-6, 150e-6, ADAMW_BYTES_PER_PARAM)}
+                 "cpu": StepDefaults(200e-6, 35e-6, None, 150e-6, ADAMW_BYTES_PER_PARAM)}
 
 
 def plan_layout(model: nn.Module | str, *, devices: int, batch: int, device: str | DeviceProfile = "h100",
