@@ -90,6 +90,20 @@ def select(ranked: list, devices: int, top: int, extra: int) -> list:
     return chosen
 
 
+def _mark(cuda: bool) -> Any:
+    """A point on the timeline: a CUDA event on the stream, or the host clock (a CPU's ops are
+    done when they return)."""
+    if not cuda:
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def _seconds(a: Any, b: Any) -> float:
+    return a.elapsed_time(b) / 1e3 if isinstance(a, torch.cuda.Event) else b - a
+
+
 def time_layout(model: nn.Module, layout: Layout, layout_prediction: float, batch: int, args: argparse.Namespace,
                 device: torch.device) -> dict[str, Any]:
     """The measured step of ``layout``, and its prediction's error."""
@@ -113,21 +127,18 @@ def time_layout(model: nn.Module, layout: Layout, layout_prediction: float, batc
             torch.cuda.synchronize()
         dist.barrier()
         t0 = time.perf_counter()
-        marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if cuda else []
-        if cuda:
-            marks[0].record()
+        marks = [_mark(cuda)]
         # The dp all-reduce runs in step() (it would at the end of train_step otherwise), so the
         # GPU timeline splits into the pipeline and the rest the prediction prices apart.
         with pm.no_sync():
             pm.train_step(x, y)
-        marks[1].record() if cuda else marks.append(time.perf_counter())
+        marks.append(_mark(cuda))
         pm.step(opt)
-        marks[2].record() if cuda else marks.append(time.perf_counter())
+        marks.append(_mark(cuda))
         opt.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize()
-        split = [marks[0].elapsed_time(marks[1]) / 1e3, marks[1].elapsed_time(marks[2]) / 1e3] if cuda else \
-            [marks[0] - t0, marks[1] - marks[0]]  # a CPU's ops are done when they return
+        split = [_seconds(a, b) for a, b in zip(marks, marks[1:])]
         seconds = torch.tensor([time.perf_counter() - t0] + split, device=device)
         dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
         if i >= args.warmup:
