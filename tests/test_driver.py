@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autopipe.errors import ConfigError, InputError, ScheduleError
-from autopipe.runtime import PipelineDriver, TensorSpec
+from autopipe.runtime import PipelineDriver, TensorSpec, streams
 from autopipe.runtime.schedule import max_in_flight_bound
 from tests.distributed import run_distributed
 
@@ -246,6 +246,24 @@ def test_matches_single_process(worlds: dict, cfg: tuple[int, int, str, str]) ->
     torch.testing.assert_close(last["eval"], ref["eval"], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(last["first"], ref["first"], rtol=1e-5, atol=1e-6)
     assert all(r["eval"] is None for i, r in enumerate(per_rank) if i != (pp * chunks - 1) % pp)
+
+
+JUST_IN_TIME = ((1, "1f1b"), (2, "interleaved_1f1b"))
+
+
+def just_in_time_worker(rank: int, world_size: int) -> list[dict]:
+    streams.RECEIVE_LEAD = 0  # as between GPUs of one host: [Note: receive lead]
+    return [train_pipeline(rank, world_size, chunks, schedule, "sgd", m=4) for chunks, schedule in JUST_IN_TIME]
+
+
+def test_receives_posted_just_in_time_train_the_same() -> None:
+    per_rank = run_distributed(just_in_time_worker, 2, timeout=120)
+    for i, (chunks, schedule) in enumerate(JUST_IN_TIME):
+        ref = reference(2 * chunks, "sgd", 4)
+        for rank, runs in enumerate(per_rank):
+            assert runs[i]["losses"] == pytest.approx(ref["losses"], rel=1e-5), (schedule, rank)
+            for s, state in runs[i]["state"].items():
+                torch.testing.assert_close(state, ref["stages"][s].state_dict(), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("chunks,schedule", [(1, "gpipe"), (1, "1f1b"), (2, "interleaved_1f1b"), (3, "gpipe")])

@@ -77,3 +77,16 @@ def test_gpu_searches_price_torchs_default_adamw_and_cpu_searches_keep_theirs():
     by_name = {str(p.layout): p for p in fused.ranked}
     for p in gpu.ranked:
         assert p.parts["optimizer"] > by_name[str(p.layout)].parts["optimizer"]
+
+
+def test_a_pipelines_own_scale_prices_pp_and_the_collectives_scale_prices_tp():
+    graph = _graph()
+    pp = Layout(2, 1, 1, 4, 1, "1f1b", False, False, "graphs")
+    tp = Layout(1, 2, 1, 1, 1, "1f1b", False, False, "graphs")
+    both = _pricing(neighbour_scale=1.5)
+    split = _pricing(neighbour_scale=1.5, pipeline_scale=1.0)
+    assert predict(graph, pp, split).parts["pipeline"] < predict(graph, pp, both).parts["pipeline"] / 1.2
+    assert predict(graph, pp, split).parts["pipeline"] == pytest.approx(predict(graph, pp, _pricing()).parts["pipeline"])
+    assert predict(graph, tp, split).parts["pipeline"] == pytest.approx(predict(graph, tp, both).parts["pipeline"])
+    # Receives posted just in time between GPUs of one host: a pipeline loses less than tp does.
+    assert 1.0 < STEP_DEFAULTS["cuda"].pipeline_scale < STEP_DEFAULTS["cuda"].neighbour_scale

@@ -1,12 +1,16 @@
 """Posting order and the stream model of [Note: transfer streams]: no schedule can deadlock on
-per-link streams, while one stream per rank deadlocks (so the model can tell)."""
+per-link streams, while one stream per rank deadlocks (so the model can tell); the receive lead
+and the links' NCCL options."""
 from __future__ import annotations
 
 import pytest
 
 from autopipe.errors import ScheduleError
+from autopipe.runtime import p2p, streams
+from autopipe.runtime.p2p import one_host
+from autopipe.runtime.program import Transfers, compile_program
 from autopipe.runtime.schedule import SCHEDULES, ActionKind, all_rank_actions
-from autopipe.runtime.streams import posting_order, stream_deadlock
+from autopipe.runtime.streams import posting_order, receive_lead, stream_deadlock
 
 COMPUTE = (ActionKind.FORWARD, ActionKind.BACKWARD)
 RECEIVES = (ActionKind.RECV_ACT, ActionKind.RECV_GRAD)
@@ -66,3 +70,42 @@ def test_a_receive_without_its_send_blocks():
     # Rank 1 never gets micro-batch 1, so rank 0 never gets the gradient of micro-batch 0.
     assert stream_deadlock([sender, actions[1]], 2) == ["rank 0 blocked at RECV_GRAD s0 mb0",
                                                        "rank 1 blocked at RECV_ACT s1 mb1"]
+
+
+def test_receives_are_posted_just_in_time_only_between_gpus_of_one_host(monkeypatch):
+    monkeypatch.setattr(streams, "RECEIVE_LEAD", None)
+    assert receive_lead(cuda=True, one_host=True) == 0
+    assert receive_lead(cuda=True, one_host=False) == 1  # between hosts a transfer needs both ends posted
+    assert receive_lead(cuda=False, one_host=True) == 1  # gloo moves a message while both ends wait
+    monkeypatch.setattr(streams, "RECEIVE_LEAD", 2)
+    assert receive_lead(cuda=True, one_host=True) == 2
+    # The lead reaches the program: an interleaved rank posts its receives later with lead 0.
+    early, late = compile_program("interleaved_1f1b", 2, 4, 2, 1, 1), compile_program("interleaved_1f1b", 2, 4, 2, 1, 0)
+    assert early != late
+    assert sorted(map(str, _transfers(early))) == sorted(map(str, _transfers(late)))
+
+
+def _transfers(program):
+    return [t for step in program if isinstance(step, Transfers) for t in step.transfers]
+
+
+def test_a_pipeline_is_on_one_host_by_torchruns_numbering(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert one_host([0, 1, 2, 3]) and one_host([5, 6])
+    assert not one_host([3, 4])
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert not one_host([0, 1])  # a launcher that does not say: not known to share a host
+
+
+def test_link_groups_cap_their_thread_blocks_only_on_nccl(monkeypatch):
+    monkeypatch.setattr(p2p, "LINK_MAX_CTAS", 3)
+    monkeypatch.setattr(p2p.dist, "get_backend", lambda group=None: "gloo")
+    assert p2p.link_options() is None
+    monkeypatch.setattr(p2p.dist, "get_backend", lambda group=None: "nccl")
+    options = p2p.link_options()
+    if hasattr(p2p.dist, "ProcessGroupNCCL"):
+        assert options.config.max_ctas == 3
+    else:  # a build without NCCL has no options to give
+        assert options is None
+    monkeypatch.setattr(p2p, "LINK_MAX_CTAS", None)
+    assert p2p.link_options() is None

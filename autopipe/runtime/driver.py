@@ -23,6 +23,7 @@ from autopipe.runtime.p2p import P2P, Link, TensorSpec, check_boundary, floating
 from autopipe.runtime.stage_set import StageSet, check_layout
 from autopipe.runtime.program import Compute, Step, compile_program
 from autopipe.runtime.schedule import ActionKind, rank_actions, validate
+from autopipe.runtime.streams import receive_lead
 from autopipe.runtime.timeline import Timeline
 from autopipe.runtime.transfers import StepTransfers
 from autopipe.runtime.warmup import warm_up
@@ -240,7 +241,8 @@ class PipelineDriver:
         """The bound steps of ``schedule`` over ``m`` micro-batches, compiled once."""
         if (schedule, m) not in self._programs:
             validate(schedule, self.pp, m, self.chunks)
-            self._programs[(schedule, m)] = compile_program(schedule, self.pp, m, self.chunks, self.pp_rank)
+            lead = receive_lead(self.device.type == "cuda", self.p2p is not None and self.p2p.one_host)
+            self._programs[(schedule, m)] = compile_program(schedule, self.pp, m, self.chunks, self.pp_rank, lead)
         return self._programs[(schedule, m)]
 
     def _reset(self) -> None:

@@ -5,6 +5,7 @@ recycled through a :class:`BufferPool`. Peers are pipeline ranks; global ranks a
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Sequence
 
@@ -15,8 +16,8 @@ from autopipe.errors import ConfigError, InputError
 from autopipe.memory_format import channels_last_dense
 
 __all__ = [
-    "TensorSpec", "Transfer", "Handle", "Link", "P2P", "BufferPool",
-    "ring_links", "link_groups", "world_links", "floating_indices", "check_boundary",
+    "TensorSpec", "Transfer", "Handle", "Link", "P2P", "BufferPool", "LINK_MAX_CTAS", "one_host",
+    "ring_links", "link_options", "link_groups", "world_links", "floating_indices", "check_boundary",
 ]  # fmt: skip
 
 
@@ -122,6 +123,20 @@ def ring_links(pp: int) -> list[Link]:
     return sorted({(r, (r + 1) % pp) for r in range(pp)} | {((r + 1) % pp, r) for r in range(pp)})
 
 
+LINK_MAX_CTAS: int | None = None  # thread blocks (SMs) an NCCL link may use; None: NCCL's choice
+
+
+def link_options() -> object | None:
+    """The NCCL options of a link's process group: at most ``LINK_MAX_CTAS`` thread blocks, each
+    one SM taken from the stages while a transfer waits for its peer. ``None`` (the backend's
+    defaults) off NCCL or when ``LINK_MAX_CTAS`` is ``None``."""
+    if LINK_MAX_CTAS is None or dist.get_backend() != "nccl" or not hasattr(dist, "ProcessGroupNCCL"):
+        return None
+    options = dist.ProcessGroupNCCL.Options()
+    options.config.max_ctas = int(LINK_MAX_CTAS)
+    return options
+
+
 def link_groups(pipelines: Sequence[Sequence[int]]) -> dict[Link, dist.ProcessGroup]:
     """One two-rank process group per directed link of every pipeline; see [Note: transfer
     streams] in streams.py. Collective: every process of the world calls it with the same
@@ -130,12 +145,20 @@ def link_groups(pipelines: Sequence[Sequence[int]]) -> dict[Link, dist.ProcessGr
     keyed by pipeline ranks."""
     me = dist.get_rank()
     mine: dict[Link, dist.ProcessGroup] = {}
+    options = link_options()
     for ranks in pipelines:
         for a, b in ring_links(len(ranks)):
-            group = dist.new_group(sorted((ranks[a], ranks[b])))
+            group = dist.new_group(sorted((ranks[a], ranks[b])), pg_options=options)
             if me in ranks:
                 mine[(a, b)] = group
     return mine
+
+
+def one_host(ranks: Sequence[int]) -> bool:
+    """Whether the global ``ranks`` share one host, as torchrun numbers them (hosts hold
+    ``LOCAL_WORLD_SIZE`` consecutive ranks each); ``False`` without ``LOCAL_WORLD_SIZE``."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 0) or 0)
+    return local > 0 and len({r // local for r in ranks}) == 1
 
 
 class P2P:
@@ -153,6 +176,12 @@ class P2P:
         self.rank = dist.get_rank(group)
         self._global = [dist.get_global_rank(world, r) for r in range(dist.get_world_size(group))]
         self.links = links
+
+    @property
+    def one_host(self) -> bool:
+        """Whether every rank of the pipeline runs on this host, by torchrun's numbering (global
+        rank // ``LOCAL_WORLD_SIZE``); ``False`` when the launcher does not say."""
+        return one_host(self._global)
 
     def global_rank(self, peer: int) -> int:
         return self._global[peer]

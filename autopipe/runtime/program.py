@@ -55,12 +55,14 @@ class Transfers:
 Step = Union[Compute, Transfers]
 
 
-def compile_program(schedule: str, pp: int, microbatches: int, chunks: int, pp_rank: int) -> list[Step]:
-    """The steps of pipeline rank ``pp_rank`` for ``schedule`` (validated by the caller)."""
+def compile_program(schedule: str, pp: int, microbatches: int, chunks: int, pp_rank: int,
+                    lead: int = 1) -> list[Step]:
+    """The steps of pipeline rank ``pp_rank`` for ``schedule`` (validated by the caller), each
+    receive posted ``lead`` computes ahead of its consumer (see [Note: receive lead])."""
     steps: list[Step] = []
     batch: list[PointToPoint] = []
     actions = rank_actions(schedule, pp, microbatches, chunks, pp_rank)
-    for a in posting_order(actions):
+    for a in posting_order(actions, lead):
         s, mb = a.stage, a.microbatch
         if a.kind is ActionKind.FORWARD or a.kind is ActionKind.BACKWARD:
             if batch:

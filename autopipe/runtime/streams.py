@@ -27,9 +27,20 @@ moves before both ends have started it, and no buffering) :func:`stream_deadlock
 deadlock for any schedule here (tests/test_streams.py checks pp 2-8, every chunk count and
 micro-batch count up to 16), while the one-stream layout deadlocks already for 1F1B.
 
-Receives are posted ``lead`` computes before their consumer (one by default): the backend may
-start a receive only once the compute queued before it is done, so a receive posted right
-before its consumer could not overlap the compute before that one.
+[Note: receive lead]
+Receives are posted ``lead`` computes before their consumer. The backend may start a receive
+only once the compute queued before it is done, so a receive posted right before its consumer
+(lead 0) cannot overlap the compute before that one, and a receive posted one compute ahead
+(lead 1) can. But a posted NCCL receive is a kernel that holds its thread blocks, one SM each,
+from its start until its data has arrived: with lead 1 it waits beside the whole compute before
+its consumer, and the stages run slower. Between GPUs of one host the sender does not wait for
+the receive (NCCL's buffers at the receiving end hold a boundary's activations), and the copy
+at lead 0 takes a fraction of a millisecond. On two H200s (ViT-L/16, pp=2, interleaved 1F1B,
+4 chunks, 4 micro-batches; benchmarks/pipeline_links_gpu.py) lead 0 cut each rank's busy time
+by 6% and raised samples/s by 3%, with CUDA graphs and with compiled stages; capping the links'
+thread blocks instead (``autopipe.runtime.p2p.LINK_MAX_CTAS``) slowed the transfers more than it
+sped the stages. Over gloo, and between hosts, where a transfer moves only while both ends
+have posted it, lead 1 keeps the transfers overlapped: :func:`receive_lead`.
 """
 from __future__ import annotations
 
@@ -38,15 +49,23 @@ from typing import Sequence
 
 from autopipe.runtime.schedule import Action, ActionKind, _peer
 
-__all__ = ["posting_order", "stream_deadlock", "RECEIVE_LEAD"]
+__all__ = ["posting_order", "stream_deadlock", "receive_lead", "RECEIVE_LEAD"]
 
-RECEIVE_LEAD = 1  # computes by which a receive is posted ahead of its consumer
+RECEIVE_LEAD: int | None = None  # computes by which receives are posted ahead; None: receive_lead's rule
+
+
+def receive_lead(cuda: bool, one_host: bool) -> int:
+    """How many computes ahead of its consumer a rank posts each receive (see [Note: receive
+    lead]): 0 between CUDA devices of one host, 1 otherwise; ``RECEIVE_LEAD`` when set."""
+    if RECEIVE_LEAD is not None:
+        return RECEIVE_LEAD
+    return 0 if cuda and one_host else 1
 
 _COMPUTE = (ActionKind.FORWARD, ActionKind.BACKWARD)
 _SENDS = (ActionKind.SEND_ACT, ActionKind.SEND_GRAD)
 
 
-def posting_order(actions: Sequence[Action], lead: int = RECEIVE_LEAD) -> list[Action]:
+def posting_order(actions: Sequence[Action], lead: int = 1) -> list[Action]:
     """``actions`` (one rank's, from :func:`~autopipe.runtime.schedule.rank_actions`) with every
     receive moved ``lead`` computes earlier (not before the first); everything else, and the
     order of the receives among themselves, unchanged."""

@@ -35,7 +35,8 @@ class StepDefaults:
     - ``transfer``: host seconds per tensor a pipeline stage sends or receives;
     - ``optimizer_bytes``: bytes the optimizer's step moves per parameter;
     - ``neighbour_scale``: how much slower a stage computes while its rank's NCCL transfers or
-      tensor-parallel collectives run beside it (their kernels hold SMs while they wait).
+      tensor-parallel collectives run beside it (their kernels hold SMs while they wait);
+    - ``pipeline_scale``: the same for a pipeline's transfers alone (pp > 1, tp = 1).
 
     CUDA: torch's default AdamW (multi-tensor "foreach"), as ``benchmarks/optimizer_step_gpu.py``
     timed it on an H200 (5.4 us per tensor and 93 B per parameter at the profile's 4.3 TB/s;
@@ -43,8 +44,12 @@ class StepDefaults:
     scale is the median of the pipeline part of the pp > 1 and tp > 1 layouts measured on 4
     H200s against their prediction (1.11-1.24; benchmarks/results/2026-11-27-h200x4-layout-choice-
     before-step-pricing.json); a second run there and a 2 x H100 run priced with it came within
-    15% in 38 of 38 layouts (docs/benchmarks.md, "Several GPUs: the layout search measured");
-    a transfer's posting overlaps the GPU's work. CPU: torch's AdamW takes its single-tensor
+    15% in 38 of 38 layouts (docs/benchmarks.md, "Several GPUs: the layout search measured").
+    Those runs posted every receive one compute ahead. Between GPUs of one host receives are now
+    posted just in time ([Note: receive lead] in autopipe/runtime/streams.py), and each pipeline
+    rank's busy time fell by a factor of 1.057 (median of five runs of ViT-L/16 at pp=2 on two
+    H200s and two H100s, benchmarks/results/2026-11-28-h*x2-pipeline-links-*.json): the pipeline
+    scale is 1.17 / 1.057. A transfer's posting overlaps the GPU's work. CPU: torch's AdamW takes its single-tensor
     path, about ten small kernels per tensor (~35 us measured on a 2-core x86 box, one thread),
     and each gloo transfer is posted, waited on by a thread and handed back while the compute
     shares the same cores (~150 us on that box, see benchmarks/layout_choice_cpu.py).
@@ -56,9 +61,10 @@ class StepDefaults:
     transfer: float
     optimizer_bytes: float
     neighbour_scale: float = 1.0
+    pipeline_scale: float = 1.0
 
 
-STEP_DEFAULTS = {"cuda": StepDefaults(10e-6, 5.4e-6, 3.9e-6, 0.0, ADAMW_FOREACH_BYTES_PER_PARAM, 1.17),
+STEP_DEFAULTS = {"cuda": StepDefaults(10e-6, 5.4e-6, 3.9e-6, 0.0, ADAMW_FOREACH_BYTES_PER_PARAM, 1.17, 1.11),
                  "cpu": StepDefaults(200e-6, 35e-6, None, 150e-6, ADAMW_BYTES_PER_PARAM)}
 
 
@@ -107,7 +113,7 @@ def plan_layout(model: nn.Module | str, *, devices: int, batch: int, device: str
                       transfer_overhead=defaults.transfer if transfer_overhead is None else transfer_overhead,
                       interleaved_transfer_overhead=interleaved_transfer_overhead,
                       optimizer_bytes=defaults.optimizer_bytes if optimizer_bytes is None else optimizer_bytes,
-                      neighbour_scale=defaults.neighbour_scale)
+                      neighbour_scale=defaults.neighbour_scale, pipeline_scale=defaults.pipeline_scale)
     return search_layouts(traced, devices=devices, batch=batch, pricing=pricing, modes=modes or DEFAULT_MODES[kind],
                           memory=memory, measured=measured, **options)
 

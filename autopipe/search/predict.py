@@ -13,8 +13,9 @@ For one layout (search/layouts.py) on one graph (search/costs.py):
 3. the schedule's action lists are replayed with the stages' forward and backward times and
    the transfers between them (search/replay.py), each tensor sent or received costing its
    rank ``transfer_overhead`` of host time: the pipeline's makespan and bubble. Where NCCL
-   transfers or collectives run beside a stage (pp > 1 or tp > 1) its compute is scaled by
-   ``neighbour_scale``: their kernels hold SMs while they wait for the peer;
+   collectives run beside a stage (tp > 1) its compute is scaled by ``neighbour_scale``, and
+   where only a pipeline's transfers do (pp > 1) by ``pipeline_scale``: their kernels hold SMs
+   while they wait for the peer;
 4. the step adds the data-parallel all-reduce of the gradients (after the last backward, as
    the runtime does it, in flat buckets the gradients are copied into and back from), the
    global gradient norm (a pass and a scalar all-reduce), the optimizer's pass over its state
@@ -73,9 +74,11 @@ class Pricing:
     # Host seconds per parameter tensor of the global gradient norm (None: a tenth of
     # ``tensor_overhead``, one kernel against the optimizer's ten on CPU).
     norm_tensor_overhead: float | None = None
-    # Stage compute runs this much slower on a rank whose NCCL transfers (pp > 1) or collectives
-    # (tp > 1) run beside it; see plan.StepDefaults.
+    # Stage compute runs this much slower on a rank whose NCCL collectives (tp > 1) run beside
+    # it, and ``pipeline_scale`` (None: the same) where only its transfers do (pp > 1, tp = 1);
+    # see plan.StepDefaults.
     neighbour_scale: float = 1.0
+    pipeline_scale: float | None = None
 
 
 @dataclass
@@ -157,7 +160,8 @@ def predict(graph: GraphCosts, layout: Layout, pricing: Pricing, *, timeline: bo
     f_prefix, b_prefix = np.concatenate(([0.0], np.cumsum(fwd))), np.concatenate(([0.0], np.cumsum(bwd)))
     copied = [(float(copies[i - 1]) if i > 0 else 0.0) + (float(copies[j - 1]) if j < len(compute) else 0.0)
               for i, j in zip(starts, ends)]  # half in the forward, half in the backward
-    scale = pricing.neighbour_scale if layout.pp > 1 or layout.tp > 1 else 1.0
+    scale = pricing.neighbour_scale if layout.tp > 1 else 1.0 if layout.pp == 1 else \
+        pricing.neighbour_scale if pricing.pipeline_scale is None else pricing.pipeline_scale
     stage_f = [float(f_prefix[j] - f_prefix[i]) * scale + (overhead + c) / 2 for i, j, c in zip(starts, ends, copied)]
     stage_b = [float(b_prefix[j] - b_prefix[i]) * scale + (overhead + c) / 2 for i, j, c in zip(starts, ends, copied)]
     sends = [link.p2p(float(cut_bytes[j - 1])) if j < len(compute) else 0.0 for j in ends]
