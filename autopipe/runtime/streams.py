@@ -33,11 +33,11 @@ only once the compute queued before it is done, so a receive posted right before
 (lead 0) cannot overlap the compute before that one, and a receive posted one compute ahead
 (lead 1) can. But a posted NCCL receive is a kernel that holds its thread blocks, one SM each,
 from its start until its data has arrived: with lead 1 it waits beside the whole compute before
-its consumer, and the stages run slower. Between GPUs of one host the sender does not wait for
-the receive (NCCL's buffers at the receiving end hold a boundary's activations), and the copy
-at lead 0 takes a fraction of a millisecond. On two H200s (ViT-L/16, pp=2, interleaved 1F1B,
-4 chunks, 4 micro-batches; benchmarks/pipeline_links_gpu.py) lead 0 cut each rank's busy time
-by 6% and raised samples/s by 3%, with CUDA graphs and with compiled stages; capping the links'
+its consumer, and the stages run slower. Between GPUs of one host the transfer itself is short
+(ViT-L/16's boundary at 64 images, 26 MB, over NVLink), so posting it just in time exposes
+little. On two H200s and on two H100s (ViT-L/16, pp=2, interleaved 1F1B, 4 chunks, 4
+micro-batches; benchmarks/pipeline_links_gpu.py) lead 0 cut each rank's busy time by 5-6% and
+raised samples/s by 3-3.4%, with CUDA graphs and with compiled stages; capping the links'
 thread blocks instead (``autopipe.runtime.p2p.LINK_MAX_CTAS``) slowed the transfers more than it
 sped the stages. Over gloo, and between hosts, where a transfer moves only while both ends
 have posted it, lead 1 keeps the transfers overlapped: :func:`receive_lead`.
@@ -60,6 +60,7 @@ def receive_lead(cuda: bool, one_host: bool) -> int:
     if RECEIVE_LEAD is not None:
         return RECEIVE_LEAD
     return 0 if cuda and one_host else 1
+
 
 _COMPUTE = (ActionKind.FORWARD, ActionKind.BACKWARD)
 _SENDS = (ActionKind.SEND_ACT, ActionKind.SEND_GRAD)
