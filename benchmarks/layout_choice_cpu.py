@@ -32,6 +32,7 @@ again before every pass but the first, each profile prices every layout, and a l
 prediction is the lesser of its prices, as its measurement is the lesser of its timings. The
 layout cut and the one chosen stay the first profile's (what ``parallelize`` would do), and
 each row keeps its first profile's error as well (``error_first_profile``).
+
 Targets (issue: automatic layout): every layout's predicted step time within 15% of its
 measured one, and the chosen layout within 5% of the best measured. Prints a table per model
 and the failures; exits 1 on any.
@@ -337,11 +338,11 @@ def _pace_probe() -> float:
 def _timed_passes(layouts: list, time_layout: Any, count: int,
                   between: Any = None) -> tuple[dict[str, list[float]], dict[str, list]]:
     """Every layout of ``layouts`` timed ``count`` times, in passes over them all, odd passes in
-    reverse order, ``between()`` called before every pass but the first. ``layouts`` come ranked by their predicted time; in one order only, a pace that
-    drifts through the run (the second pass of four earlier runs read a median 0.4-3.6% slower
-    than the first) would fall on the fast layouts one way and the slow ones the other. Reversed, the
-    layout timed first in one pass is timed last in the next: each layout's timings average to
-    the middle of the run. Returns each layout's times, and per timing (seconds since the first
+    reverse order, ``between()`` called before every pass but the first. ``layouts`` come ranked
+    by their predicted time; in one order only, a pace that drifts through the run (the second
+    pass of four earlier runs read a median 0.4-3.6% slower than the first) would fall on the
+    fast layouts one way and the slow ones the other. Reversed, the layout timed first in one
+    pass is timed last in the next: each layout's timings average to the middle of the run. Returns each layout's times, and per timing (seconds since the first
     timing began, the pace probe's seconds before it)."""
     passes: dict[str, list[float]] = {}
     clock: dict[str, list] = {}
