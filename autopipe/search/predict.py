@@ -160,8 +160,7 @@ def predict(graph: GraphCosts, layout: Layout, pricing: Pricing, *, timeline: bo
     f_prefix, b_prefix = np.concatenate(([0.0], np.cumsum(fwd))), np.concatenate(([0.0], np.cumsum(bwd)))
     copied = [(float(copies[i - 1]) if i > 0 else 0.0) + (float(copies[j - 1]) if j < len(compute) else 0.0)
               for i, j in zip(starts, ends)]  # half in the forward, half in the backward
-    scale = pricing.neighbour_scale if layout.tp > 1 else 1.0 if layout.pp == 1 else \
-        pricing.neighbour_scale if pricing.pipeline_scale is None else pricing.pipeline_scale
+    scale = _stage_scale(layout, pricing)
     stage_f = [float(f_prefix[j] - f_prefix[i]) * scale + (overhead + c) / 2 for i, j, c in zip(starts, ends, copied)]
     stage_b = [float(b_prefix[j] - b_prefix[i]) * scale + (overhead + c) / 2 for i, j, c in zip(starts, ends, copied)]
     sends = [link.p2p(float(cut_bytes[j - 1])) if j < len(compute) else 0.0 for j in ends]
@@ -209,6 +208,16 @@ def predict(graph: GraphCosts, layout: Layout, pricing: Pricing, *, timeline: bo
                       {"pipeline": run.makespan, "dp_all_reduce": all_reduce, "optimizer": optimizer,
                        "weight_casts": casts, "grad_norm": norm},
                       [f + b for f, b in zip(stage_f, stage_b)], list(starts), run.spans)
+
+
+def _stage_scale(layout: Layout, pricing: Pricing) -> float:
+    """How much slower a stage computes beside its rank's NCCL kernels: tensor-parallel
+    collectives, else a pipeline's transfers alone, else none."""
+    if layout.tp > 1:
+        return pricing.neighbour_scale
+    if layout.pp > 1:
+        return pricing.neighbour_scale if pricing.pipeline_scale is None else pricing.pipeline_scale
+    return 1.0
 
 
 def _memory(graph: GraphCosts, layout: Layout, starts: list[int], ends: list[int], state: list[float],
