@@ -20,7 +20,11 @@ For each timm model and global batch (``name:batch``), on the GPUs of this torch
    between two synchronisations, the slowest rank's time, median of ``--steps`` after
    ``--warmup`` (CUDA graphs are captured and stages compiled in the warm-up). CUDA events split
    each step into the pipeline (``train_step``) and the rest (the dp all-reduce, the norm and the
-   optimizer's step, in ``pm.step``), each predicted apart.
+   optimizer's step, in ``pm.step``), each predicted apart. Each row keeps every rank's allocated
+   memory after the build and between steps (parameters, gradients, optimizer state, pools),
+   and what its allocator holds after the last step (``memory_gib``: ``reserved``; a CUDA graph's
+   replays write into its private pool unseen by the allocated counts), beside the fullest
+   rank's peak allocated since the build.
 Targets (issues: automatic layout; several-GPU checks): every measured layout's predicted step
 time within 15% of its measured one, and the chosen layout (the search's first) within 5% of the
 best measured. Results are written after every layout; the table is printed last; exits 1 on a
@@ -104,6 +108,17 @@ def _seconds(a: Any, b: Any) -> float:
     return a.elapsed_time(b) / 1e3 if isinstance(a, torch.cuda.Event) else b - a
 
 
+def rank_gib(device: torch.device, reserved: bool = False) -> list[float]:
+    """Every rank's allocated memory now (``reserved``: what its caching allocator holds, CUDA
+    graphs' private pools included), GiB."""
+    if device.type != "cuda":
+        return [0.0] * dist.get_world_size()
+    now = torch.cuda.memory_reserved(device) if reserved else torch.cuda.memory_allocated(device)
+    every = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, torch.tensor([now / 2**30], dtype=torch.float64, device=device))
+    return [round(float(t), 3) for t in every]
+
+
 def time_layout(model: nn.Module, layout: Layout, layout_prediction: float, batch: int, args: argparse.Namespace,
                 device: torch.device) -> dict[str, Any]:
     """The measured step of ``layout``, and its prediction's error."""
@@ -114,6 +129,7 @@ def time_layout(model: nn.Module, layout: Layout, layout_prediction: float, batc
                               mixed_precision=None if args.smoke else "bf16", profile=None if args.smoke else
                               args.profile or None, **layout.parallelize_kwargs())
     build_s = time.perf_counter() - begin
+    memory = {"built": rank_gib(device)}
     pm.train()
     per = batch // layout.dp
     g = torch.Generator().manual_seed(1)
@@ -146,13 +162,16 @@ def time_layout(model: nn.Module, layout: Layout, layout_prediction: float, batc
             phases.append([float(v) for v in seconds[1:]])
         if i == 0:
             first = float(seconds[0])
+        if i == args.warmup - 1:  # the state a step starts from
+            memory["between_steps"] = rank_gib(device)
+    memory["reserved"] = rank_gib(device, reserved=True)
     del opt
     pm.close()
     median = statistics.median(times)
     return {"measured": median, "spread": (max(times) - min(times)) / median, "times": times,
             "pipeline_measured": statistics.median(p[0] for p in phases),
             "rest_measured": statistics.median(p[1] for p in phases),
-            "build_s": build_s, "first_step_s": first, "peak_gib": peak_gib(device),
+            "build_s": build_s, "first_step_s": first, "peak_gib": peak_gib(device), "memory_gib": memory,
             "error": layout_prediction / median - 1}
 
 

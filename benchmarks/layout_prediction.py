@@ -2,8 +2,10 @@
 
     python benchmarks/layout_prediction.py benchmarks/results/2026-11-25-h100x2-layout-choice.json
 
-Reads the rows of a ``layout_choice_gpu.py`` result (each layout's measured step time and peak
-memory, ``torch.cuda.max_memory_allocated`` on the fullest GPU), prices the same layouts again
+Reads the rows of a ``layout_choice_gpu.py`` result (each layout's measured step time and
+memory: what the fullest GPU's allocator held, ``torch.cuda.memory_reserved``, where the run
+recorded it, else its ``torch.cuda.max_memory_allocated``, which misses CUDA graphs' pools),
+prices the same layouts again
 with the search and cost model of this checkout (with the links the run measured, if any; no
 GPU needed) and prints predicted against measured beside the run's own prediction. So a change
 of the cost model is judged on measurements already made.
@@ -26,6 +28,12 @@ from autopipe.search.links import LinkModel  # noqa: E402
 
 TIME = 0.15
 LOW, HIGH = -0.15, 0.50
+
+
+def measured_gib(row: dict) -> float:
+    """The memory a row measured: the fullest rank's reserved, else the peak allocated."""
+    reserved = row.get("memory_gib", {}).get("reserved")
+    return max(reserved) if reserved else row["peak_gib"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,18 +61,19 @@ def main(argv: list[str] | None = None) -> int:
                 failures.append(f"{name} {r['layout']}: not ranked by the search now")
                 continue
             time_error = p.step_seconds / r["measured"] - 1
-            memory_error = p.memory_bytes / 2**30 / r["peak_gib"] - 1
+            held = measured_gib(r)
+            memory_error = p.memory_bytes / 2**30 / held - 1
             split = ""
             if "pipeline_measured" in r:  # the run split its steps (CUDA events): pipeline, then the rest
                 rest = p.step_seconds - p.parts["pipeline"]
                 split = (f"   pipeline {p.parts['pipeline'] * 1e3:6.1f} / {r['pipeline_measured'] * 1e3:6.1f}"
                          f"   rest {rest * 1e3:5.1f} / {r['rest_measured'] * 1e3:5.1f}")
             print(f"{name[:22]:22s} {r['layout']:36s} {r['measured'] * 1e3:11.1f} {r['predicted'] * 1e3:7.1f} "
-                  f"{p.step_seconds * 1e3:7.1f} {time_error:+7.1%}   {r['peak_gib']:5.1f} "
+                  f"{p.step_seconds * 1e3:7.1f} {time_error:+7.1%}   {held:5.1f} "
                   f"{p.memory_bytes / 2**30:5.1f} {memory_error:+7.1%}{split}")
             out.append({"model": name, "batch": batch, "layout": r["layout"], "measured": r["measured"],
                         "predicted_then": r["predicted"], "predicted": p.step_seconds, "error": time_error,
-                        "peak_gib": r["peak_gib"], "predicted_gib": p.memory_bytes / 2**30,
+                        "peak_gib": r["peak_gib"], "measured_gib": held, "predicted_gib": p.memory_bytes / 2**30,
                         "memory_error": memory_error})
             if abs(time_error) > TIME:
                 failures.append(f"{name} {r['layout']}: step time predicted {time_error:+.1%} off")

@@ -13,18 +13,10 @@ import torch.nn.functional as F
 
 import autopipe
 from autopipe.errors import ConfigError
-from autopipe.runtime.graphs import StageGraphs, slots_per_stage
+from autopipe.runtime.graphs import StageGraphs
 from autopipe.runtime.p2p import TensorSpec
-from autopipe.runtime.schedule import ActionKind, rank_actions
+from autopipe.runtime.schedule import max_in_flight_bound, stage_slots as _slots
 from tests.models import MODELS
-
-
-def _slots(schedule: str, pp: int, m: int, chunks: int, rank: int) -> dict[int, int]:
-    actions: dict[int, list] = {}
-    for a in rank_actions(schedule, pp, m, chunks, rank):
-        if a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD):
-            actions.setdefault(a.stage, []).append(("F" if a.kind is ActionKind.FORWARD else "B", a.microbatch))
-    return slots_per_stage(actions)
 
 
 @pytest.mark.parametrize("pp", [2, 4])
@@ -42,8 +34,16 @@ def test_interleaved_slots_cover_every_local_stage_and_stay_below_m() -> None:
     assert sorted(slots) == [0, 2] and all(1 <= n <= 8 for n in slots.values())
 
 
-def test_slots_count_the_most_held_at_once() -> None:
-    assert slots_per_stage({0: [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("B", 2)]}) == {0: 2}
+@pytest.mark.parametrize("schedule,pp,m,chunks", [("1f1b", 2, 8, 1), ("interleaved_1f1b", 2, 4, 4),
+                                                  ("interleaved_1f1b", 4, 8, 2), ("gpipe", 2, 3, 1)])
+def test_slots_count_each_stage_at_its_own_most(schedule: str, pp: int, m: int, chunks: int) -> None:
+    """Every stage holds at most m micro-batches, and the stages' slots together cover the most
+    the rank holds at once (more, for interleaved: each stage peaks at its own time)."""
+    for rank in range(pp):
+        slots = _slots(schedule, pp, m, chunks, rank)
+        assert all(1 <= n <= m for n in slots.values())
+        assert sum(slots.values()) >= max_in_flight_bound(schedule, pp, m, chunks, rank)
+    assert sum(_slots("interleaved_1f1b", 2, 4, 4, 0).values()) == 12  # against 9 held at once
 
 
 def test_cuda_graphs_are_refused_where_they_cannot_run() -> None:

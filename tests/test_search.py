@@ -15,7 +15,7 @@ from autopipe.runtime.schedule import all_rank_actions, simulate, theoretical_bu
 from autopipe.search import Layout, LinkModel, Pricing, plan_layout, replay, search_layouts
 from autopipe.search.costs import GraphCosts, scaled
 from autopipe.search.layouts import layouts
-from autopipe.search.predict import FRAGMENTATION, predict
+from autopipe.search.predict import FRAGMENTATION, GRAPH_POOL_SCALE, predict
 from autopipe.search.search import _estimate
 from autopipe.shard import plan_sharding
 from autopipe.tracer import trace
@@ -253,7 +253,7 @@ def test_scaled_costs_match_a_trace_at_that_size():
 def test_predictions_grow_with_work_and_memory_with_held_activations():
     graph = GraphCosts(_vit_graph(), 2)
     pricing = _pricing(64)
-    base = Layout(2, 1, 1, 4, 1, "1f1b", False, False, "graphs")
+    base = Layout(2, 1, 1, 4, 1, "1f1b", False, False, "eager")
     p = predict(graph, base, pricing, timeline=True)
     assert p.step_seconds > p.parts["pipeline"] > 0 and 0 < p.bubble < 1
     assert p.samples_per_second == pytest.approx(64 / p.step_seconds)
@@ -262,6 +262,24 @@ def test_predictions_grow_with_work_and_memory_with_held_activations():
     ckpt = predict(graph, dataclasses.replace(base, recompute=True), pricing)
     assert ckpt.step_seconds > p.step_seconds and ckpt.memory_bytes < p.memory_bytes
     assert {r for r, *_ in p.spans} == {0, 1}
+
+
+def test_captured_stages_hold_a_pool_per_slot_and_checkpointing_saves_them_nothing():
+    """[Note: graph pools]: one captured stage holds its pool (saved activations x the pool
+    scale, and its parameters' gradients before they are added into .grad); an interleaved
+    rank holds a pool per stage and micro-batch its stage holds (12 on rank 0 at pp=2, 4 chunks,
+    4 micro-batches, where eager holds 9 at once); a slot's backward recomputes into its pool."""
+    graph = GraphCosts(_vit_graph(), 2)
+    pricing = _pricing(64)
+    state, saved = float(graph.state_bytes.sum()), float(graph.saved_ref.sum()) * 64 / graph.reference_size
+    one = Layout(1, 1, 1, 1, 1, "1f1b", False, False, "graphs")
+    expected = state + GRAPH_POOL_SCALE * saved + float(graph.param_bytes.sum())
+    assert predict(graph, one, pricing).memory_bytes == pytest.approx(FRAGMENTATION * expected)
+    checkpointed = predict(graph, dataclasses.replace(one, recompute=True), pricing)
+    assert checkpointed.memory_bytes == pytest.approx(FRAGMENTATION * expected)
+    interleaved = Layout(2, 1, 1, 4, 4, "interleaved_1f1b", False, False, "graphs")
+    graphs, eager = (predict(graph, dataclasses.replace(interleaved, mode=mode), pricing) for mode in ("graphs", "eager"))
+    assert graphs.memory_bytes > 12 / 9 * eager.memory_bytes - FRAGMENTATION * state
 
 
 def test_activations_kept_for_backward_are_priced_in_the_compute_dtype():

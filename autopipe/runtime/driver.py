@@ -15,14 +15,14 @@ from torch.utils import _pytree as pytree
 
 from autopipe.errors import ConfigError, InputError, ScheduleError
 from autopipe.runtime.batch_shapes import BatchShapes, Shapes
-from autopipe.runtime.graphs import StageGraphs, slots_per_stage
+from autopipe.runtime.graphs import StageGraphs
 from autopipe.runtime.host_threads import pinned_host_threads
 from autopipe.failure.monitor import DEFAULT_DEADLINE, FailureMonitor, failure_key
 from autopipe.runtime.microbatch import SPLITS, batch_size, merge, microbatch_sizes, split_inputs, split_targets
 from autopipe.runtime.p2p import P2P, Link, TensorSpec, check_boundary, floating_indices, world_links
 from autopipe.runtime.stage_set import StageSet, check_layout
 from autopipe.runtime.program import Compute, Step, compile_program
-from autopipe.runtime.schedule import ActionKind, rank_actions, validate
+from autopipe.runtime.schedule import ActionKind, stage_slots, validate
 from autopipe.runtime.streams import receive_lead
 from autopipe.runtime.timeline import Timeline
 from autopipe.runtime.transfers import StepTransfers
@@ -227,11 +227,7 @@ class PipelineDriver:
     def _capture_graphs(self) -> None:
         """Captures every local stage once, in the mode it is in now; see runtime/graphs.py."""
         if not self._graphs:
-            actions: dict[int, list[tuple[str, int]]] = {s: [] for s in self.stages}
-            for a in rank_actions(self.schedule, self.pp, self.microbatches, self.chunks, self.pp_rank):
-                if a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD):
-                    actions[a.stage].append(("F" if a.kind is ActionKind.FORWARD else "B", a.microbatch))
-            slots = slots_per_stage(actions)
+            slots = stage_slots(self.schedule, self.pp, self.microbatches, self.chunks, self.pp_rank)
             for s in sorted(self.stages):
                 self._graphs[s] = StageGraphs(self.stages[s], *self.shapes.stage_inputs(s), slots[s], self.device)
         for graphs in self._graphs.values():

@@ -10,8 +10,8 @@ A captured graph keeps the activations its backward needs in its own memory, ove
 its next forward replay. 1F1B keeps several micro-batches of one stage between forward and
 backward, so a stage gets one graph per micro-batch it may hold at once ("slots", counted
 from the schedule: pp - rank for 1F1B, m for GPipe); a forward takes a free slot, its
-backward frees it. What leaves a graph is copied out (outputs, the input gradients sent to
-the previous stage).
+backward frees it (``autopipe.runtime.schedule.stage_slots``). What leaves a graph is copied
+out (outputs, the input gradients sent to the previous stage).
 
 [Note: gradients inside the graph]
 Each slot is two graphs in one private memory pool: the forward, and the backward that takes
@@ -47,20 +47,7 @@ import torch.nn as nn
 from autopipe.runtime.p2p import TensorSpec
 from autopipe.runtime.warmup import stand_in_inputs
 
-__all__ = ["StageGraphs", "slots_per_stage"]
-
-
-def slots_per_stage(actions_by_stage: dict[int, Sequence[tuple[str, int]]]) -> dict[int, int]:
-    """The most micro-batches each stage holds between forward and backward, from its
-    ordered ("F"|"B", micro-batch) actions."""
-    out = {}
-    for s, actions in actions_by_stage.items():
-        held, most = 0, 0
-        for kind, _ in actions:
-            held += 1 if kind == "F" else -1
-            most = max(most, held)
-        out[s] = max(most, 1)
-    return out
+__all__ = ["StageGraphs"]
 
 
 class _Captured:

@@ -46,7 +46,7 @@ from autopipe.errors import ScheduleError
 __all__ = [
     "SCHEDULES", "ActionKind", "Action", "Simulation",
     "validate", "rank_actions", "all_rank_actions", "simulate", "timetable",
-    "theoretical_bubble", "max_in_flight_bound", "interleaved_rounds",
+    "theoretical_bubble", "max_in_flight_bound", "stage_slots", "interleaved_rounds",
 ]  # fmt: skip
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "forward_only")
@@ -248,6 +248,24 @@ def max_in_flight_bound(schedule: str, pp: int, m: int, chunks: int, rank: int) 
     if chunks == 1:
         return min(pp - rank, m)
     return min(_interleaved_warmup(pp, m, chunks, rank) + 1, m * chunks)
+
+
+def stage_slots(schedule: str, pp: int, m: int, chunks: int, rank: int) -> dict[int, int]:
+    """The most micro-batches each of rank ``rank``'s stages holds between forward and backward
+    at once (at least 1): the CUDA graphs a captured stage needs, one per micro-batch it holds
+    ([Note: graph slots] in graphs.py). Their sum may exceed :func:`max_in_flight_bound`: each
+    stage reaches its own most at its own time."""
+    held: dict[int, int] = defaultdict(int)
+    most: dict[int, int] = {}
+    for a in rank_actions(schedule, pp, m, chunks, rank):
+        if a.kind is ActionKind.FORWARD:
+            held[a.stage] += 1
+        elif a.kind is ActionKind.BACKWARD:
+            held[a.stage] -= 1
+        else:
+            continue
+        most[a.stage] = max(most.get(a.stage, 1), held[a.stage])
+    return most
 
 
 @dataclass

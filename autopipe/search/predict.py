@@ -24,7 +24,25 @@ For one layout (search/layouts.py) on one graph (search/costs.py):
 5. memory per device: parameters, gradients and optimizer state of its stages (plus bf16
    weight copies under mixed precision) and the saved activations of the micro-batches it
    holds at once (the schedule's in-flight bound; with checkpointing only each stage's input,
-   plus one micro-batch recomputed at a time), with 10% for the allocator's fragmentation.
+   plus one micro-batch recomputed at a time), with 10% for the allocator's fragmentation;
+   captured stages hold their graphs' pools instead ([Note: graph pools]).
+
+[Note: graph pools]
+A stage run as CUDA graphs has one graph per micro-batch it may hold (``stage_slots``, [Note:
+graph slots] in runtime/graphs.py), each with a private memory pool that no other graph and no
+eager allocation reuses. A slot's pool keeps its forward's saved activations, its forward's
+transients beside them, and its backward's parameter gradients before they are added into
+``.grad`` (fp32, the stage's parameter bytes), and the slot holds its static inputs, outputs and
+their gradients (two tensors of each boundary). So a rank holds the sum over its stages of
+slots x pool, where eager memory holds the most micro-batches in flight at once x saved: an
+interleaved rank's stages peak at different times (pp=2, 4 chunks, 4 micro-batches: 12 slots
+against 9 held), and checkpointing saves nothing (a slot's backward recomputes its activations
+into the same pool). On two H200s (ViT-L/16 and ViT-H/14; dp=2 with 1, 2 and 4 micro-batches,
+pp=2 interleaved with 4 chunks; benchmarks/results/2026-11-28-h200x2-layout-choice-memory.json)
+what the allocator held after training (``torch.cuda.memory_reserved``: graphs' pools included,
+which ``max_memory_allocated`` misses, as their replays allocate nothing) fitted the saved
+activations at ``GRAPH_POOL_SCALE`` x their eager bytes, from -11% to +22% of the ten ranks'
+measured.
 """
 from __future__ import annotations
 
@@ -36,7 +54,7 @@ import numpy as np
 from autopipe.partition import balance as balancer
 from autopipe.partition.device import DeviceProfile
 from autopipe.partition.transfers import boundary_copy_seconds
-from autopipe.runtime.schedule import max_in_flight_bound
+from autopipe.runtime.schedule import max_in_flight_bound, stage_slots
 
 from .costs import GraphCosts
 from .layouts import Layout
@@ -46,6 +64,7 @@ from .replay import replay
 __all__ = ["Prediction", "predict", "Pricing", "stage_overhead", "boundary_copy_rate"]
 
 FRAGMENTATION = 1.10
+GRAPH_POOL_SCALE = 1.28  # a graph slot's pool over its saved activations; see [Note: graph pools]
 NORM_OPS_PER_TENSOR = 10  # a tensor's norm is one kernel; its AdamW update about ten (single-tensor path)
 ADAMW_BYTES_PER_PARAM = 32.0  # fused: read param, grad, 2 moments; write param, 2 moments (fp32), + grad zeroing
 # torch's default AdamW on CUDA (multi-tensor "foreach"): eight passes, some over temporaries
@@ -234,7 +253,9 @@ def _memory(graph: GraphCosts, layout: Layout, starts: list[int], ends: list[int
         held = max_in_flight_bound(layout.schedule, layout.pp, layout.microbatches, layout.chunks, r)
         mine = [(i, j) for k, (i, j) in enumerate(zip(starts, ends)) if k % layout.pp == r]
         per_mb = sum(float(s_prefix[j] - s_prefix[i]) for i, j in mine) / max(len(mine), 1)
-        if layout.recompute:
+        if layout.mode.endswith("graphs"):
+            activations = _graph_pools(graph, layout, starts, ends, s_prefix, ratio * pricing.activation_bytes, r)
+        elif layout.recompute:
             inputs = sum(float(graph.cut_bytes_ref[i - 1]) * ratio * pricing.activation_bytes
                          for i, _ in mine if i > 0) / max(len(mine), 1)
             activations = held * inputs + max(float(s_prefix[j] - s_prefix[i]) for i, j in mine)
@@ -243,3 +264,21 @@ def _memory(graph: GraphCosts, layout: Layout, starts: list[int], ends: list[int
         total = (state[r] + params[r] * pricing.weight_cast_bytes + activations) * FRAGMENTATION
         worst = max(worst, total)
     return worst
+
+
+def _graph_pools(graph: GraphCosts, layout: Layout, starts: list[int], ends: list[int], saved: np.ndarray,
+                 cut_scale: float, rank: int) -> float:
+    """Bytes rank ``rank``'s captured stages hold: per stage, its slots x (its graph pool and
+    static boundary tensors); see [Note: graph pools]. ``saved``: the prefix sums of the saved
+    bytes; ``cut_scale``: a cut's traced bytes to its bytes at this micro-batch."""
+    slots = stage_slots(layout.schedule, layout.pp, layout.microbatches, layout.chunks, rank)
+    params = np.concatenate(([0.0], np.cumsum(graph.param_bytes)))
+    n = len(graph.cut_bytes_ref) + 1
+    total = 0.0
+    for k, (i, j) in enumerate(zip(starts, ends)):
+        if k % layout.pp != rank:
+            continue
+        boundary = sum(float(graph.cut_bytes_ref[c - 1]) * cut_scale for c in (i, j) if 0 < c < n)
+        pool = GRAPH_POOL_SCALE * float(saved[j] - saved[i]) + float(params[j] - params[i])
+        total += slots.get(k, 1) * (pool + 2 * boundary)
+    return total
