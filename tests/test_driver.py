@@ -256,8 +256,14 @@ def just_in_time_worker(rank: int, world_size: int) -> list[dict]:
     return [train_pipeline(rank, world_size, chunks, schedule, "sgd", m=4) for chunks, schedule in JUST_IN_TIME]
 
 
-def test_receives_posted_just_in_time_train_the_same() -> None:
-    per_rank = run_distributed(just_in_time_worker, 2, timeout=120)
+def delayed_sends_worker(rank: int, world_size: int) -> list[dict]:
+    streams.RECEIVE_LEAD, streams.DELAY_SENDS = 0, True  # [Note: send timing]
+    return [train_pipeline(rank, world_size, chunks, schedule, "sgd", m=4) for chunks, schedule in JUST_IN_TIME]
+
+
+@pytest.mark.parametrize("worker", [just_in_time_worker, delayed_sends_worker], ids=["receives", "sends-delayed"])
+def test_transfers_posted_just_in_time_train_the_same(worker: Any) -> None:
+    per_rank = run_distributed(worker, 2, timeout=120)
     for i, (chunks, schedule) in enumerate(JUST_IN_TIME):
         ref = reference(2 * chunks, "sgd", 4)
         for rank, runs in enumerate(per_rank):

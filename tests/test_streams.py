@@ -9,11 +9,12 @@ from autopipe.errors import ScheduleError
 from autopipe.runtime import p2p, streams
 from autopipe.runtime.p2p import one_host
 from autopipe.runtime.program import Transfers, compile_program
-from autopipe.runtime.schedule import SCHEDULES, ActionKind, all_rank_actions
-from autopipe.runtime.streams import posting_order, receive_lead, stream_deadlock
+from autopipe.runtime.schedule import SCHEDULES, Action, ActionKind, all_rank_actions, simulate
+from autopipe.runtime.streams import posting_order, receive_lead, send_delays, stream_deadlock
 
 COMPUTE = (ActionKind.FORWARD, ActionKind.BACKWARD)
 RECEIVES = (ActionKind.RECV_ACT, ActionKind.RECV_GRAD)
+SENDS = (ActionKind.SEND_ACT, ActionKind.SEND_GRAD)
 
 
 def _configs():
@@ -109,3 +110,45 @@ def test_link_groups_cap_their_thread_blocks_only_on_nccl(monkeypatch):
         assert options is None
     monkeypatch.setattr(p2p, "LINK_MAX_CTAS", None)
     assert p2p.link_options() is None
+
+
+def test_sends_wait_for_later_computes_only_where_the_peer_is_not_ready_and_keep_their_order():
+    """[Note: send timing]: an interleaved rank 0 (pp=2, 4 chunks, 4 micro-batches) posts some
+    sends behind later computes, each still ending a forward before its consumer starts in the
+    simulation; 1F1B has nothing to delay; sends never overtake each other."""
+    actions = all_rank_actions("interleaved_1f1b", 2, 4, 4)
+    delays = send_delays(actions, 2, 4)
+    assert sum(d > 0 for d in delays[0].values()) >= 10
+    times = {ActionKind.FORWARD: 1.0, ActionKind.BACKWARD: 2.0}
+    start = simulate(actions, 2, 4, durations=times).start
+    computes = [a for a in actions[0] if a.kind in COMPUTE]
+    for send, d in delays[0].items():
+        forward = send.kind is ActionKind.SEND_ACT
+        kind = ActionKind.FORWARD if forward else ActionKind.BACKWARD
+        consumer = Action(kind, send.stage + (1 if forward else -1), send.microbatch)
+        last = computes[computes.index(Action(kind, send.stage, send.microbatch)) + d]  # the compute it follows
+        assert start[last][1] + times[last.kind] <= start[consumer][1] - (1.0 if d else -1e9)
+    assert not any(d for d in send_delays(all_rank_actions("1f1b", 2, 8, 1), 2, 1)[0].values())
+    order = posting_order(actions[0], 0, delays[0])
+    sends = [a for a in actions[0] if a.kind in SENDS]
+    assert [a for a in order if a.kind in SENDS] == sends
+    assert [a for a in order if a.kind not in SENDS] == [a for a in posting_order(actions[0], 0) if a.kind not in SENDS]
+    # The 2-rank training test delays sends too (tests/test_driver.py: 2 chunks, 4 micro-batches).
+    assert sum(d > 0 for d in send_delays(all_rank_actions("interleaved_1f1b", 2, 4, 2), 2, 2)[0].values()) >= 5
+    delayed = compile_program("interleaved_1f1b", 2, 4, 4, 0, 0, delay_sends=True)
+    assert delayed != compile_program("interleaved_1f1b", 2, 4, 4, 0, 0)
+    assert sorted(map(str, _transfers(delayed))) == sorted(map(str, _transfers(compile_program(
+        "interleaved_1f1b", 2, 4, 4, 0, 0))))
+
+
+def test_no_schedule_deadlocks_with_its_sends_delayed():
+    checked = 0
+    for schedule, pp, m, chunks, actions in _configs():
+        if m > 8:
+            continue
+        delays = send_delays(actions, pp, chunks)
+        for lead in (0, 1):
+            blocked = stream_deadlock([posting_order(a, lead, d) for a, d in zip(actions, delays)], pp)
+            assert blocked == [], (schedule, pp, m, chunks, lead, blocked)
+            checked += 1
+    assert checked > 300

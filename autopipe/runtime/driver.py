@@ -23,6 +23,7 @@ from autopipe.runtime.p2p import P2P, Link, TensorSpec, check_boundary, floating
 from autopipe.runtime.stage_set import StageSet, check_layout
 from autopipe.runtime.program import Compute, Step, compile_program
 from autopipe.runtime.schedule import ActionKind, stage_slots, validate
+from autopipe.runtime import streams
 from autopipe.runtime.streams import receive_lead
 from autopipe.runtime.timeline import Timeline
 from autopipe.runtime.transfers import StepTransfers
@@ -238,7 +239,8 @@ class PipelineDriver:
         if (schedule, m) not in self._programs:
             validate(schedule, self.pp, m, self.chunks)
             lead = receive_lead(self.device.type == "cuda", self.p2p is not None and self.p2p.one_host)
-            self._programs[(schedule, m)] = compile_program(schedule, self.pp, m, self.chunks, self.pp_rank, lead)
+            self._programs[(schedule, m)] = compile_program(schedule, self.pp, m, self.chunks, self.pp_rank, lead,
+                                                            streams.DELAY_SENDS)
         return self._programs[(schedule, m)]
 
     def _reset(self) -> None:

@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
-from autopipe.runtime.schedule import ActionKind, rank_actions
-from autopipe.runtime.streams import posting_order
+from autopipe.runtime.schedule import ActionKind, all_rank_actions, rank_actions
+from autopipe.runtime.streams import posting_order, send_delays, stream_deadlock
 
 __all__ = ["Compute", "PointToPoint", "Transfers", "Step", "SENDS", "compile_program"]
 
@@ -56,13 +56,21 @@ Step = Union[Compute, Transfers]
 
 
 def compile_program(schedule: str, pp: int, microbatches: int, chunks: int, pp_rank: int,
-                    lead: int = 1) -> list[Step]:
+                    lead: int = 1, delay_sends: bool = False) -> list[Step]:
     """The steps of pipeline rank ``pp_rank`` for ``schedule`` (validated by the caller), each
-    receive posted ``lead`` computes ahead of its consumer (see [Note: receive lead])."""
+    receive posted ``lead`` computes ahead of its consumer (see [Note: receive lead]) and, with
+    ``delay_sends``, each send as late as the schedule allows (see [Note: send timing]; posted
+    at once wherever the delays would let a rank's streams deadlock)."""
     steps: list[Step] = []
     batch: list[PointToPoint] = []
     actions = rank_actions(schedule, pp, microbatches, chunks, pp_rank)
-    for a in posting_order(actions, lead):
+    delays = None
+    if delay_sends and pp > 1:
+        every = all_rank_actions(schedule, pp, microbatches, chunks)
+        per_rank = send_delays(every, pp, chunks)
+        if not stream_deadlock([posting_order(a, lead, d) for a, d in zip(every, per_rank)], pp):
+            delays = per_rank[pp_rank]
+    for a in posting_order(actions, lead, delays):
         s, mb = a.stage, a.microbatch
         if a.kind is ActionKind.FORWARD or a.kind is ActionKind.BACKWARD:
             if batch:

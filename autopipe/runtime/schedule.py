@@ -281,8 +281,10 @@ class Simulation:
     start: dict[Action, tuple[int, int]] = field(default_factory=dict)  # F/B -> (rank, step)
 
 
-def simulate(actions: list[list[Action]], pp: int, chunks: int) -> Simulation:
+def simulate(actions: list[list[Action]], pp: int, chunks: int,
+             durations: dict[ActionKind, float] | None = None) -> Simulation:
     """Replays per-rank actions with blocking receives, posted sends and per-pair FIFO matching.
+    A forward and a backward take one step each, or ``durations[kind]``.
 
     Without any backward the run is inference: nothing is kept for backward, in-flight is 0.
     """
@@ -330,7 +332,7 @@ def simulate(actions: list[list[Action]], pp: int, chunks: int) -> Simulation:
                         bad(f"rank {r} runs {a} before its forward")
                     inputs[r].discard(a)
                     sim.start[a] = (r, clock[r])
-                    clock[r] += 1
+                    clock[r] += 1 if durations is None else durations[a.kind]
                     step = 1 if a.kind is ActionKind.FORWARD else -1
                     in_flight[r] += step if training else 0
                     peak[r] = max(peak[r], in_flight[r])

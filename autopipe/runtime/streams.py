@@ -41,17 +41,32 @@ raised samples/s by 3-3.4%, with CUDA graphs and with compiled stages; capping t
 thread blocks instead (``autopipe.runtime.p2p.LINK_MAX_CTAS``) slowed the transfers more than it
 sped the stages. Over gloo, and between hosts, where a transfer moves only while both ends
 have posted it, lead 1 keeps the transfers overlapped: :func:`receive_lead`.
+
+[Note: send timing]
+A send is posted right after the compute that produced it, and its NCCL kernel then holds its
+SMs until the peer posts the matching receive. With receives posted just in time, that wait is
+the send's: one step of ViT-L/16 at pp=2 (interleaved 1F1B, 4 chunks, 4 micro-batches, CUDA
+graphs), traced on two H200s (benchmarks/pipeline_trace_gpu.py), had on one link of each rank
+10 and 14 point-to-point kernels resident over 0.3 ms, 45 and 59 ms of a 177 ms step (up to
+8 ms each), with the stages' kernels running beside them (so sends: a receive posted just in
+time has no compute beside it) 19-27% slower than alone: about 8-9 ms of compute per rank
+and step. A transfer that did not wait took 50-100 us. :func:`send_delays` times every rank's actions in a simulation
+(a backward twice its forward) and posts each send behind as many of its rank's later
+computes as end one forward before the consumer starts on the peer; sends keep their order.
+``DELAY_SENDS`` turns it on; it is off until measured on GPUs.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 from typing import Sequence
 
-from autopipe.runtime.schedule import Action, ActionKind, _peer
+from autopipe.runtime.schedule import Action, ActionKind, _peer, simulate
 
-__all__ = ["posting_order", "stream_deadlock", "receive_lead", "RECEIVE_LEAD"]
+__all__ = ["posting_order", "stream_deadlock", "receive_lead", "send_delays", "RECEIVE_LEAD", "DELAY_SENDS"]
 
 RECEIVE_LEAD: int | None = None  # computes by which receives are posted ahead; None: receive_lead's rule
+DELAY_SENDS = False  # post sends as late as the simulated schedule allows; see [Note: send timing]
+_DURATIONS = {ActionKind.FORWARD: 1.0, ActionKind.BACKWARD: 2.0}  # the simulation's forward and backward
 
 
 def receive_lead(cuda: bool, one_host: bool) -> int:
@@ -66,22 +81,49 @@ _COMPUTE = (ActionKind.FORWARD, ActionKind.BACKWARD)
 _SENDS = (ActionKind.SEND_ACT, ActionKind.SEND_GRAD)
 
 
-def posting_order(actions: Sequence[Action], lead: int = 1) -> list[Action]:
+def posting_order(actions: Sequence[Action], lead: int = 1, delays: dict[Action, int] | None = None) -> list[Action]:
     """``actions`` (one rank's, from :func:`~autopipe.runtime.schedule.rank_actions`) with every
-    receive moved ``lead`` computes earlier (not before the first); everything else, and the
-    order of the receives among themselves, unchanged."""
+    receive moved ``lead`` computes earlier (not before the first) and every send ``delays[send]``
+    computes later (none by default; never ahead of an earlier send); everything else, and the
+    order of the receives and of the sends among themselves, unchanged."""
     if lead < 0:
         raise ValueError(f"lead must be >= 0, got {lead}")
-    keyed, computes = [], 0
+    total = sum(a.kind in _COMPUTE for a in actions)
+    keyed, computes, last_send = [], 0, 0
     for i, a in enumerate(actions):
         if a.kind in _COMPUTE:
             keyed.append((2 * computes + 1, i, a))
             computes += 1
         elif a.kind in _SENDS:
-            keyed.append((2 * computes, i, a))
+            last_send = max(last_send, 2 * min(computes + (delays or {}).get(a, 0), total))
+            keyed.append((last_send, i, a))
         else:
             keyed.append((2 * max(0, computes - lead), i, a))
     return [a for *_, a in sorted(keyed, key=lambda k: k[:2])]
+
+
+def send_delays(actions: Sequence[Sequence[Action]], pp: int, chunks: int) -> list[dict[Action, int]]:
+    """Per rank, how many of its own computes after the producer each send is posted behind, so
+    that it starts about one forward before its consumer does on the peer, in a simulation of
+    ``actions`` (every rank's) where a backward takes twice its forward; see [Note: send timing]."""
+    sim = simulate([list(a) for a in actions], pp, chunks, durations=_DURATIONS)
+    delays: list[dict[Action, int]] = []
+    for own in actions:
+        computes = [a for a in own if a.kind in _COMPUTE]
+        position = {a: i for i, a in enumerate(computes)}
+        mine: dict[Action, int] = {}
+        for a in own:
+            if a.kind not in _SENDS:
+                continue
+            forward = a.kind is ActionKind.SEND_ACT
+            kind = ActionKind.FORWARD if forward else ActionKind.BACKWARD
+            consumer = Action(kind, a.stage + 1 if forward else a.stage - 1, a.microbatch)
+            due = sim.start[consumer][1] - _DURATIONS[ActionKind.FORWARD]
+            later = computes[position[Action(kind, a.stage, a.microbatch)] + 1:]
+            ended = [sim.start[c][1] + _DURATIONS[c.kind] <= due for c in later]
+            mine[a] = ended.index(False) if False in ended else len(ended)
+        delays.append(mine)
+    return delays
 
 
 def stream_deadlock(orders: Sequence[Sequence[Action]], pp: int, *, one_stream: bool = False) -> list[str]:
