@@ -24,7 +24,6 @@ from autopipe.runtime.stage_set import StageSet, check_layout
 from autopipe.runtime.program import Compute, Step, compile_program
 from autopipe.runtime.schedule import ActionKind, stage_slots, validate
 from autopipe.runtime import streams
-from autopipe.runtime.streams import receive_lead
 from autopipe.runtime.timeline import Timeline
 from autopipe.runtime.transfers import StepTransfers
 from autopipe.runtime.warmup import warm_up
@@ -238,7 +237,7 @@ class PipelineDriver:
         """The bound steps of ``schedule`` over ``m`` micro-batches, compiled once."""
         if (schedule, m) not in self._programs:
             validate(schedule, self.pp, m, self.chunks)
-            lead = receive_lead(self.device.type == "cuda", self.p2p is not None and self.p2p.one_host)
+            lead = streams.receive_lead(self.device.type == "cuda", self.p2p is not None and self.p2p.one_host)
             self._programs[(schedule, m)] = compile_program(schedule, self.pp, m, self.chunks, self.pp_rank, lead,
                                                             streams.DELAY_SENDS)
         return self._programs[(schedule, m)]

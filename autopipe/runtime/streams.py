@@ -50,10 +50,10 @@ graphs), traced on two H200s (benchmarks/pipeline_trace_gpu.py), had on one link
 10 and 14 point-to-point kernels resident over 0.3 ms, 45 and 59 ms of a 177 ms step (up to
 8 ms each), with the stages' kernels running beside them (so sends: a receive posted just in
 time has no compute beside it) 19-27% slower than alone: about 8-9 ms of compute per rank
-and step. A transfer that did not wait took 50-100 us. :func:`send_delays` times every rank's actions in a simulation
-(a backward twice its forward) and posts each send behind as many of its rank's later
-computes as end one forward before the consumer starts on the peer; sends keep their order.
-``DELAY_SENDS`` turns it on; it is off until measured on GPUs.
+and step. A transfer that did not wait took 50-100 us. :func:`send_delays` times every rank's
+actions in a simulation (a backward twice its forward) and posts each send behind as many of
+its rank's later computes as end one forward before the consumer starts on the peer; sends
+keep their order. ``DELAY_SENDS`` turns it on; it is off until measured on GPUs.
 """
 from __future__ import annotations
 

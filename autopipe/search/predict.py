@@ -25,7 +25,9 @@ For one layout (search/layouts.py) on one graph (search/costs.py):
    weight copies under mixed precision) and the saved activations of the micro-batches it
    holds at once (the schedule's in-flight bound; with checkpointing only each stage's input,
    plus one micro-batch recomputed at a time), with 10% for the allocator's fragmentation;
-   captured stages hold their graphs' pools instead ([Note: graph pools]
+   captured stages hold their graphs' pools instead ([Note: graph pools]).
+
+[Note: graph pools]
 A stage run as CUDA graphs has one graph per micro-batch it may hold (``stage_slots``, [Note:
 graph slots] in runtime/graphs.py), each with a private memory pool that no other graph and no
 eager allocation reuses. A slot's pool keeps its forward's saved activations, its forward's
@@ -36,15 +38,16 @@ and wait for backward). So a rank holds the sum over its stages of slots x (pool
 tensors), where eager memory holds the most micro-batches in flight at once x saved: an
 interleaved rank's stages peak at different times (pp=2, 4 chunks, 4 micro-batches: 12 slots
 against 9 held), and checkpointing saves nothing (a slot's backward recomputes its activations
-into the same pool).
+into the same pool; this follows from the pools, no checkpointed graph layout was measured).
 
 Fitted on two H200s (benchmarks/results/2026-11-28-h200x2-layout-choice-memory.json): what the
 allocator held after training (``torch.cuda.memory_reserved``: graphs' pools included, which
 ``max_memory_allocated`` misses, as their replays allocate nothing) for ViT-L/16 and ViT-H/14,
 dp=2 with 1, 2 and 4 micro-batches and pp=2 interleaved with 4 chunks, put the pool at
-``GRAPH_POOL_SCALE`` x the saved activations' eager bytes (ten ranks: -2% to +17%). Held out
-(-heldout.json): ResNet-50 within -6% to +50%, ViT-B/16 dp=2 within -9% to +14%, but ViT-B/16
-pp=2 interleaved with 2 chunks and 8 micro-batches 23-28% short, not understood.
+``GRAPH_POOL_SCALE`` x the saved activations' eager bytes (eight layouts: -2% to +17%). Held
+out (-heldout.json): ResNet-50 from -1% (pp=2 interleaved) to +50% (dp=2, one micro-batch),
+ViT-B/16 dp=2 from -10% to +14%, but ViT-B/16 pp=2 interleaved with 2 chunks and 8
+micro-batches 28% short, not understood.
 """
 from __future__ import annotations
 
