@@ -519,3 +519,48 @@ def test_collected_moments_on_cuda_in_every_dtype_and_layout() -> None:
             ref_var, ref_mean = torch.var_mean(low.double(), dim=[0, 2, 3], correction=0)
             torch.testing.assert_close(shift.double(), ref_mean - center.double(), rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(var.double(), ref_var, rtol=1e-4, atol=1e-4)
+
+
+def _per_layer_commit(m: nn.modules.batchnorm._BatchNorm, sums: torch.Tensor, counts: torch.Tensor) -> None:
+    """torch's momentum rule applied to one layer on its own: the arithmetic [Note: one commit
+    for every layer] runs over every layer at once."""
+    (s1, s2, v), (k, n) = sums, counts
+    k = k.clamp_min(1)
+    shift = s1 / k
+    mean, var = m.running_mean + shift, (v / k + s2 / k - shift * shift).clamp_min(0)
+    var = var * n / (n - 1).clamp_min(1)
+    m.num_batches_tracked.add_(1)
+    f = m.momentum if m.momentum is not None else 1.0 / m.num_batches_tracked.to(mean.dtype)
+    m.running_mean.mul_(1 - f).add_(mean * f)
+    m.running_var.mul_(1 - f).add_(var * f)
+
+
+def test_one_commit_for_every_layer_gives_each_layers_own_rule_to_the_bit() -> None:
+    from autopipe.runtime.batchnorm import _COUNTS, _SUMS, BatchNormStats
+
+    torch.manual_seed(0)
+    norms = [nn.BatchNorm2d(3, momentum=0.1), nn.BatchNorm2d(5, momentum=None), nn.BatchNorm1d(4, momentum=0.3),
+             nn.BatchNorm2d(2)]
+    for m in norms:
+        m.running_mean.uniform_(-1, 1)
+        m.running_var.uniform_(0.5, 2)
+        m.num_batches_tracked.fill_(3)
+    norms[3].eval()  # frozen: keeps its statistics
+    stats = BatchNormStats(norms, None, 1)
+    stats.collecting = True
+    with torch.no_grad():
+        for _ in range(3):  # three micro-batches
+            for m in norms:
+                m(torch.randn(6, m.num_features, *((4, 4) if isinstance(m, nn.BatchNorm2d) else ())) * 3 + 1)
+    stats.collecting = False
+    before = [m.running_mean.clone() for m in norms]
+    expected = copy.deepcopy(norms)
+    for m, e in zip(norms, expected):
+        if m.training:
+            _per_layer_commit(e, getattr(m, _SUMS), getattr(m, _COUNTS))
+    stats.commit()
+    for m, e in zip(norms, expected):
+        for name in ("running_mean", "running_var", "num_batches_tracked"):
+            assert torch.equal(getattr(m, name), getattr(e, name)), (m, name)
+        assert not getattr(m, _SUMS).any() and not getattr(m, _COUNTS).any()
+    assert [not torch.equal(m.running_mean, b) for m, b in zip(norms, before)] == [True, True, True, False]

@@ -13,7 +13,8 @@ statistics once per micro-batch, ``m`` momentum steps of ``B / m`` samples each.
   preallocated buffers (``autopipe_sums``: the sums over micro-batches of ``mean - running_mean``,
   of its square and of the variance; ``autopipe_counts``: micro-batches and elements). Only
   in-place tensor ops, so a CUDA graph replays them and a compiled stage keeps them in its graph;
-* at the end of ``train_step`` (``BatchNormStats.commit``), combines them into the mean and the
+* at the end of ``train_step`` (``BatchNormStats.commit``, every layer at once: [Note: one
+  commit for every layer] in batchnorm_commit.py), combines them into the mean and the
   unbiased variance of the whole mini-batch, gathers them over the dp replicas (one all-gather
   per step, combined by sample counts as in Chan's parallel variance), and updates
   ``running_mean``, ``running_var`` and ``num_batches_tracked`` once, with torch's momentum
@@ -44,6 +45,7 @@ import torch.nn.functional as F
 
 from autopipe.errors import ConfigError
 from autopipe.graph import MODULE_KEY
+from autopipe.runtime.batchnorm_commit import commit_statistics
 from autopipe.runtime.sync_batchnorm import synchronise
 
 __all__ = ["MODES", "BatchNormStats", "check_batchnorm"]
@@ -276,42 +278,10 @@ class BatchNormStats:
             getattr(m, _COUNTS).zero_()
 
     # ------------------------------------------------------------------------- commit
-    @torch.no_grad()
     def commit(self) -> None:
-        """Fold what the step collected into the running statistics (collective over dp)."""
-        stats = [self._local(m) for m in self.norms]
-        if self.dp > 1:
-            stats = self._over_replicas(stats)
-        for m, (mean, var, n) in zip(self.norms, stats):
-            if m.training:  # a layer frozen in eval() collected nothing and keeps its statistics
-                _update(m, mean, var * n / (n - 1).clamp_min(1))
-        self.discard()
-
-    @staticmethod
-    def _local(m: nn.modules.batchnorm._BatchNorm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(mean, biased variance, elements per channel) of this replica's mini-batch: the
-        micro-batches are of equal size, so their means and variances weigh alike."""
-        (s1, s2, v), (k, n) = getattr(m, _SUMS), getattr(m, _COUNTS)
-        k = k.clamp_min(1)
-        shift = s1 / k
-        return m.running_mean + shift, (v / k + s2 / k - shift * shift).clamp_min(0), n
-
-    def _over_replicas(self, stats: list[tuple[torch.Tensor, ...]]) -> list[tuple[torch.Tensor, ...]]:
-        """The statistics of the global batch from every replica's, weighted by element counts."""
-        flat = torch.cat([torch.cat([mean, var, n.reshape(1)]) for mean, var, n in stats])
-        parts = [torch.empty_like(flat) for _ in range(self.dp)]
-        dist.all_gather(parts, flat, group=self.dp_group)
-        gathered = torch.stack(parts)  # (dp, sum over layers of 2 C + 1)
-        out, at = [], 0
-        for mean, _, _ in stats:
-            c = mean.numel()
-            means, vars_, ns = gathered[:, at:at + c], gathered[:, at + c:at + 2 * c], gathered[:, at + 2 * c:at + 2 * c + 1]
-            at += 2 * c + 1
-            n = ns.sum()
-            w = ns / n.clamp_min(1)
-            total = (w * means).sum(0)
-            out.append((total, (w * (vars_ + (means - total) ** 2)).sum(0), n))
-        return out
+        """Fold what the step collected into the running statistics (collective over dp), every
+        layer at once: see [Note: one commit for every layer] in batchnorm_commit.py."""
+        commit_statistics(self.norms, _SUMS, _COUNTS, self.dp_group, self.dp)
 
 
 # [Note: statistics from the norm's own kernel]
@@ -374,12 +344,3 @@ def _shifted_moments(x: torch.Tensor, center: torch.Tensor) -> tuple[torch.Tenso
     n = d.numel() // d.shape[1]
     shift = d.sum(dims) / n
     return shift, (d.square().sum(dims) / n - shift * shift).clamp_min(0)
-
-
-def _update(m: nn.modules.batchnorm._BatchNorm, mean: torch.Tensor, var: torch.Tensor) -> None:
-    """torch's running-statistics rule, once: ``r = (1 - f) r + f x`` with f the momentum, or
-    1 / num_batches_tracked for ``momentum=None`` (a cumulative average)."""
-    m.num_batches_tracked.add_(1)
-    f = m.momentum if m.momentum is not None else 1.0 / m.num_batches_tracked.to(mean.dtype)
-    m.running_mean.mul_(1 - f).add_(mean * f)
-    m.running_var.mul_(1 - f).add_(var * f)
