@@ -59,9 +59,8 @@ def sum_gradients(params: Iterable[torch.nn.Parameter], group: dist.ProcessGroup
         pending.append((dist.all_reduce(flat, group=group, async_op=True), flat, bucket))
     if pending:
         wait_works([work for work, _, _ in pending], what, group, pending[0][1].device)
-    for _, flat, bucket in pending:
-        for g, summed in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-            g.copy_(summed)
+    for _, flat, bucket in pending:  # one multi-tensor copy a bucket on a GPU, not one per gradient
+        torch._foreach_copy_(bucket, _unflatten_dense_tensors(flat, bucket))
 
 
 def reduce_sequence_parallel_grads(named_parameters: Any, plan: Any, group: Any) -> None:
