@@ -13,7 +13,8 @@ after 3 of warm-up, for:
   input again (``torch.var_mean`` in fp32) and folding the result in with a dozen small ops.
 Then the second pass's kernels alone on the input of the model's first batch norm (one
 micro-batch): ``torch.var_mean``, and ``_shifted_moments`` (what the pre-hook, kept for
-BatchNorm subclasses with a forward of their own, runs now).
+BatchNorm subclasses with a forward of their own, runs now). And the commit at a step's end
+alone (``--commit-only``: only that), its time and ATen ops.
 Prints a table; writes JSON.
 """
 from __future__ import annotations
@@ -115,6 +116,31 @@ def time_kernels(args: argparse.Namespace, device: torch.device) -> dict[str, fl
     return out
 
 
+def time_commit(args: argparse.Namespace, device: torch.device) -> dict[str, float]:
+    """The end of a step alone: the model's norms' collected statistics committed ([Note: one
+    commit for every layer]), median of 30, and the ATen ops of one commit."""
+    import torchvision
+    from torch.profiler import ProfilerActivity, profile
+
+    model = getattr(torchvision.models, args.model)().to(device).train()
+    stats = bn.BatchNormStats.install([model], "deferred")
+    stats.collecting = True
+    with torch.no_grad():
+        model(torch.randn(2, 3, 32, 32, device=device))
+    stats.collecting = False
+    times = []
+    for _ in range(33):
+        _sync(device)
+        begin = time.perf_counter()
+        stats.commit()
+        _sync(device)
+        times.append(time.perf_counter() - begin)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        stats.commit()
+    ops = sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
+    return {"norms": len(stats.norms), "commit_ms": statistics.median(times[3:]) * 1e3, "aten_ops": ops}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="resnet50")
@@ -123,17 +149,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default="eager,graphs")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out", default="")
+    parser.add_argument("--commit-only", action="store_true", help="time the commit of the statistics alone")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     modes = args.modes.split(",") if device.type == "cuda" else ["eager"]
     rows: list[dict[str, Any]] = []
-    for mode in modes:
+    for mode in [] if args.commit_only else modes:
         for label, batchnorm, before in (("microbatch", "microbatch", False), ("deferred", "deferred", False),
                                          ("deferred, second pass", "deferred", True)):
             with second_pass(before):
                 seconds = time_step(args, device, batchnorm, mode)
             rows.append({"mode": mode, "batchnorm": label, "step_ms": seconds * 1e3})
             print(f"{args.model} {mode:6s} {label:20s} {seconds * 1e3:8.2f} ms", flush=True)
+    commit = time_commit(args, device)
+    print(f"commit of {commit['norms']} norms' statistics: {commit['commit_ms']:.2f} ms, {commit['aten_ops']} ATen ops")
+    if args.commit_only:
+        return 0
     kernels = time_kernels(args, device)
     print(f"collection kernels on {kernels['shape']}: var_mean {kernels['var_mean_ms']:.3f} ms, "
           f"shifted_moments {kernels['shifted_moments_ms']:.3f} ms")
@@ -141,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.out, "w") as f:
             json.dump({"date": datetime.date.today().isoformat(), "torch": torch.__version__,
                        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                       "command": " ".join(sys.argv), "rows": rows, "kernels": kernels}, f, indent=1)
+                       "command": " ".join(sys.argv), "rows": rows, "kernels": kernels, "commit": commit}, f,
+                      indent=1)
     return 0
 
 

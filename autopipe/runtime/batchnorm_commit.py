@@ -4,7 +4,8 @@ at once (see [Note: deferred batch norm] in batchnorm.py).
 [Note: one commit for every layer]
 Folding the collected sums into each layer's running statistics, layer by layer, took some
 twenty small ops a layer: ResNet-50's 53 norms made 2862 ATen ops and 2.5 ms of host time a
-commit on this 2-core CPU, each op a kernel launch on a GPU. The layers of a rank are
+commit on this 2-core CPU (``python benchmarks/batchnorm_cost.py --commit-only``), many of them a
+kernel launch on a GPU. The layers of a rank are
 concatenated instead (their sums, counts and running statistics, grouped by device and dtype)
 and the same arithmetic runs once over all channels, each channel reading its layer's counts
 and momentum through an index; what must touch every layer's own tensors (the copies back, the
