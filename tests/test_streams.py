@@ -10,7 +10,7 @@ from autopipe.runtime import p2p, streams
 from autopipe.runtime.p2p import one_host
 from autopipe.runtime.program import Transfers, compile_program
 from autopipe.runtime.schedule import SCHEDULES, Action, ActionKind, all_rank_actions, simulate
-from autopipe.runtime.streams import posting_order, receive_lead, send_delays, stream_deadlock
+from autopipe.runtime.streams import delay_sends, posting_order, receive_lead, send_delays, stream_deadlock
 
 COMPUTE = (ActionKind.FORWARD, ActionKind.BACKWARD)
 RECEIVES = (ActionKind.RECV_ACT, ActionKind.RECV_GRAD)
@@ -80,6 +80,15 @@ def test_receives_are_posted_just_in_time_only_between_gpus_of_one_host(monkeypa
     assert receive_lead(cuda=False, one_host=True) == 1  # gloo moves a message while both ends wait
     monkeypatch.setattr(streams, "RECEIVE_LEAD", 2)
     assert receive_lead(cuda=True, one_host=True) == 2
+
+
+def test_sends_are_delayed_only_where_receives_are_posted_just_in_time(monkeypatch):
+    monkeypatch.setattr(streams, "DELAY_SENDS", None)
+    assert delay_sends(cuda=True, one_host=True)
+    assert not delay_sends(cuda=True, one_host=False)
+    assert not delay_sends(cuda=False, one_host=True)
+    monkeypatch.setattr(streams, "DELAY_SENDS", False)
+    assert not delay_sends(cuda=True, one_host=True)
     # The lead reaches the program: an interleaved rank posts its receives later with lead 0.
     early, late = compile_program("interleaved_1f1b", 2, 4, 2, 1, 1), compile_program("interleaved_1f1b", 2, 4, 2, 1, 0)
     assert early != late

@@ -237,9 +237,9 @@ class PipelineDriver:
         """The bound steps of ``schedule`` over ``m`` micro-batches, compiled once."""
         if (schedule, m) not in self._programs:
             validate(schedule, self.pp, m, self.chunks)
-            lead = streams.receive_lead(self.device.type == "cuda", self.p2p is not None and self.p2p.one_host)
-            self._programs[(schedule, m)] = compile_program(schedule, self.pp, m, self.chunks, self.pp_rank, lead,
-                                                            streams.DELAY_SENDS)
+            link = (self.device.type == "cuda", self.p2p is not None and self.p2p.one_host)
+            self._programs[(schedule, m)] = compile_program(schedule, self.pp, m, self.chunks, self.pp_rank,
+                                                            streams.receive_lead(*link), streams.delay_sends(*link))
         return self._programs[(schedule, m)]
 
     def _reset(self) -> None:
