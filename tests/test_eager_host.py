@@ -12,7 +12,7 @@ import torch
 from autopipe.errors import ProfileError
 from autopipe.measure import cache as cache_module
 from autopipe.measure.cache import ProfileCache
-from autopipe.measure.eager_host import LaunchCosts, fit_launch_costs, queue_prices
+from autopipe.measure.eager_host import PER_KERNEL_GRID, PER_NODE_GRID, LaunchCosts, fit_launch_costs, queue_prices
 from autopipe.measure.kernels import NodeTimes
 from autopipe.measure import RunSetup, profile_graph, segment_starts
 from autopipe.measure import profile as profile_module
@@ -70,6 +70,16 @@ def test_the_fit_finds_the_launch_costs_that_made_the_timings():
     launch, found_fixed = fit_launch_costs(timed, work)
     assert launch == LaunchCosts(pytest.approx(20 * US), pytest.approx(30 * US))
     assert found_fixed == pytest.approx(fixed)
+
+
+def test_the_fit_follows_a_busy_host_beyond_its_first_grid():
+    # A host shared with other jobs: launches three times slower than the first grid reaches.
+    work, truth = _model(1), LaunchCosts(per_kernel=300 * US, per_node=320 * US)
+    assert truth.per_kernel > PER_KERNEL_GRID[-1] and truth.per_node > PER_NODE_GRID[-1]
+    names = list(work)
+    timed = [(s, sum(queue_prices(s, work, truth).values()), 0.0) for s in (names[i:i + 8] for i in range(0, 64, 8))]
+    launch, fixed = fit_launch_costs(timed, work)
+    assert launch == LaunchCosts(pytest.approx(300 * US), pytest.approx(320 * US)) and fixed == pytest.approx(0.0)
 
 
 def test_an_eager_profile_prices_each_segment_at_its_timing():

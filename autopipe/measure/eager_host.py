@@ -36,6 +36,7 @@ __all__ = ["LaunchCosts", "NodeWork", "queue_prices", "fit_launch_costs", "PER_K
 
 PER_KERNEL_GRID = tuple(x * 1e-6 for x in range(0, 101, 5))  # seconds of host time a kernel launch takes
 PER_NODE_GRID = tuple(x * 1e-6 for x in range(0, 161, 10))  # seconds of host time a node that does work takes
+GRID_SCALES = (1, 4, 16)  # the grids widened, in turn, while the best fit lies on their upper edge
 
 # A node's times: (device forward, device backward, kernels forward, kernels backward, works
 # forward, works backward); "works": it launched a kernel or spent host time at all.
@@ -70,20 +71,29 @@ def fit_launch_costs(segments: Sequence[tuple[Sequence[str], float, float]],
     ``segments`` and ``pairs`` (segments timed two at a time, [Note: segment pairs] in profile.py):
     (nodes in graph order, timed seconds, device seconds no node claims). The pairs, though fewer,
     weigh as much as the segments in both the error and the median: they are what tells the
-    fixed cost from a launch cost per node. Returns the launch costs and that fixed cost."""
+    fixed cost from a launch cost per node. The grids are widened while the best fit lies on
+    their upper edge: a host shared with other jobs can launch several times slower than an idle
+    one. Returns the launch costs and that fixed cost."""
     rows = list(segments) + list(pairs)
     weights = [1.0 / len(group) for group in (segments, pairs) for _ in group]
     passes = [_passes(nodes, work) for nodes, _, _ in rows]
-    fits = []
-    for per_kernel in PER_KERNEL_GRID:
-        for per_node in PER_NODE_GRID:
-            launch = LaunchCosts(per_kernel, per_node)
-            replayed = [sum(step for _, step in _replay(p, launch)) + lost for p, (_, _, lost) in zip(passes, rows)]
-            fixed = max(_weighted_median([t - r for r, (_, t, _) in zip(replayed, rows)], weights), 0.0)
-            err = sum(w * abs(r + fixed - t) / max(t, 1e-12) for w, r, (_, t, _) in zip(weights, replayed, rows))
-            fits.append((err, per_kernel, per_node, fixed))
-    _, per_kernel, per_node, fixed = min(fits)
+    for scale in GRID_SCALES:  # a busy host launches slower than the grid reaches: widen it
+        per_kernel_grid = [x * scale for x in PER_KERNEL_GRID]
+        per_node_grid = [x * scale for x in PER_NODE_GRID]
+        _, per_kernel, per_node, fixed = min(_fit(rows, weights, passes, LaunchCosts(k, n))
+                                             for k in per_kernel_grid for n in per_node_grid)
+        if per_kernel < per_kernel_grid[-1] and per_node < per_node_grid[-1]:
+            break
     return LaunchCosts(per_kernel, per_node), fixed
+
+
+def _fit(rows: Sequence[tuple[Sequence[str], float, float]], weights: Sequence[float],
+         passes: Sequence[list], launch: LaunchCosts) -> tuple[float, float, float, float]:
+    """(weighted mean relative error, per kernel, per node, fixed cost) of ``launch`` on ``rows``."""
+    replayed = [sum(step for _, step in _replay(p, launch)) + lost for p, (_, _, lost) in zip(passes, rows)]
+    fixed = max(_weighted_median([t - r for r, (_, t, _) in zip(replayed, rows)], weights), 0.0)
+    err = sum(w * abs(r + fixed - t) / max(t, 1e-12) for w, r, (_, t, _) in zip(weights, replayed, rows))
+    return err, launch.per_kernel, launch.per_node, fixed
 
 
 def _weighted_median(values: Sequence[float], weights: Sequence[float]) -> float:
