@@ -44,6 +44,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn as nn
 
+from autopipe.runtime.grad_buffers import flat_gradients
 from autopipe.runtime.p2p import TensorSpec
 from autopipe.runtime.warmup import stand_in_inputs
 
@@ -153,10 +154,11 @@ class StageGraphs:
         buffers = list(stage.buffers())
         saved = [b.clone() for b in buffers]
         self._params = [p for p in stage.parameters() if p.requires_grad]
-        for p in self._params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        self._grads = [p.grad for p in self._params]
+        # One buffer, so that the dp all-reduce takes them where they lie: [Note: gradients as
+        # views of one buffer] in runtime/grad_buffers.py.
+        self._grads = flat_gradients(self._params) if self._params else []
+        for p, g in zip(self._params, self._grads):
+            p.grad = g
         self._anchor = torch.zeros((), device=device, requires_grad=bool(self._params))
         # Graphs no longer used hold their memory pools until their last reference goes, which
         # may sit in a reference cycle only the collector breaks, and torch no longer collects

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..failure.monitor import synced, wait_works
+from ..runtime.grad_buffers import flat_view
 
 __all__ = ["average_gradients", "sum_gradients", "reduce_sequence_parallel_grads", "global_grad_norm",
            "clip_gradients", "LossScaler"]
@@ -50,17 +51,23 @@ def average_gradients(params: Iterable[torch.nn.Parameter], group: dist.ProcessG
 def sum_gradients(params: Iterable[torch.nn.Parameter], group: dist.ProcessGroup, *, divide_by: int = 1,
                   what: str = "gradient all-reduce") -> None:
     """Sum ``.grad`` over ``group`` (then divide by ``divide_by``) in flat buckets, all in flight
-    at once; ``what`` names the all-reduce in errors."""
+    at once; ``what`` names the all-reduce in errors. A bucket whose gradients are views of one
+    buffer back to back is reduced in place; any other is copied into a flat tensor and back
+    ([Note: gradients as views of one buffer] in runtime/grad_buffers.py)."""
     pending = []
     for bucket in _buckets(list(params), BUCKET_BYTES):
-        flat = _flatten_dense_tensors(bucket)
+        flat = flat_view(bucket)
+        copied = flat is None
+        if copied:
+            flat = _flatten_dense_tensors(bucket)
         if divide_by != 1:
             flat.div_(divide_by)
-        pending.append((dist.all_reduce(flat, group=group, async_op=True), flat, bucket))
+        pending.append((dist.all_reduce(flat, group=group, async_op=True), flat, bucket if copied else None))
     if pending:
         wait_works([work for work, _, _ in pending], what, group, pending[0][1].device)
     for _, flat, bucket in pending:  # one multi-tensor copy a bucket on a GPU, not one per gradient
-        torch._foreach_copy_(bucket, _unflatten_dense_tensors(flat, bucket))
+        if bucket is not None:
+            torch._foreach_copy_(bucket, _unflatten_dense_tensors(flat, bucket))
 
 
 def reduce_sequence_parallel_grads(named_parameters: Any, plan: Any, group: Any) -> None:

@@ -1,0 +1,67 @@
+"""Gradients as views of one buffer ([Note: gradients as views of one buffer]): laid out back to
+back, found again as one tensor, and all-reduced in place over the data-parallel group."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from autopipe.runtime.grad_buffers import flat_gradients, flat_view
+from autopipe.training.gradients import average_gradients
+from tests.distributed import run_distributed
+
+
+def _params() -> list[nn.Parameter]:
+    torch.manual_seed(0)
+    return [nn.Parameter(torch.randn(3, 4)), nn.Parameter(torch.randn(5)),
+            nn.Parameter(torch.randn(2, 2, dtype=torch.float64)), nn.Parameter(torch.randn(7))]
+
+
+def test_gradients_lie_back_to_back_per_dtype_and_keep_what_they_held():
+    params = _params()
+    params[1].grad = torch.full((5,), 2.0)
+    views = flat_gradients(params)
+    assert [v.shape for v in views] == [p.shape for p in params] and [v.dtype for v in views] == [p.dtype for p in params]
+    assert torch.equal(views[1], params[1].grad) and not views[0].any() and not views[3].any()
+    fp32 = [views[0], views[1], views[3]]
+    whole = flat_view(fp32)
+    assert whole is not None and whole.numel() == 12 + 5 + 7
+    assert whole.data_ptr() == views[0].data_ptr()
+    whole.add_(1.0)  # one tensor over the same memory
+    assert torch.equal(views[1], torch.full((5,), 3.0)) and torch.equal(views[3], torch.ones(7))
+    assert flat_view([views[2]]) is not None and flat_view([views[2]]).dtype == torch.float64
+
+
+def test_gradients_not_back_to_back_are_not_one_tensor():
+    views = flat_gradients(_params())
+    assert flat_view([views[1], views[0]]) is None  # out of order
+    assert flat_view([views[0], views[3]]) is None  # a gap between them
+    assert flat_view([torch.zeros(3), torch.zeros(3)]) is None  # separate allocations
+    assert flat_view([views[0].t()]) is None  # not contiguous
+    alone = torch.arange(6.0)
+    assert torch.equal(flat_view([alone]), alone)
+
+
+def average_worker(rank: int, world_size: int) -> dict:
+    from autopipe.training import gradients
+
+    flattened = []
+    flatten = gradients._flatten_dense_tensors
+    gradients._flatten_dense_tensors = lambda ts: flattened.append(len(ts)) or flatten(ts)
+    params = [nn.Parameter(torch.zeros(3, 4)), nn.Parameter(torch.zeros(5)),
+              nn.Parameter(torch.zeros(2, dtype=torch.float64)), nn.Parameter(torch.zeros(3, dtype=torch.float64))]
+    for p in params:
+        p.grad = torch.full_like(p, float(rank + 1))
+    for p, v in zip(params, flat_gradients(params[:2])):  # two in one buffer; the float64 two apart
+        p.grad = v
+    buffer = flat_view([params[0].grad, params[1].grad])
+    average_gradients(params, dist.group.WORLD, world_size)
+    return {"grads": [p.grad.clone() for p in params], "buffer": buffer.clone(), "flattened": flattened}
+
+
+def test_views_of_one_buffer_are_averaged_in_place_beside_gradients_copied_flat():
+    for got in run_distributed(average_worker, 2, timeout=60):
+        assert got["flattened"] == [2]  # only the float64 bucket was copied
+        assert torch.equal(got["buffer"], torch.full((17,), 1.5))  # averaged where it lies
+        for g in got["grads"]:
+            assert torch.equal(g, torch.full_like(g, 1.5))
