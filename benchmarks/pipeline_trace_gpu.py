@@ -8,6 +8,11 @@ The pipeline of pipeline_links_gpu.py (ViT-L/16, batch 256, pp=2, interleaved 1F
 and 4 micro-batches, bf16, CUDA graphs unless ``--eager``) trains ``--warmup`` steps, then one
 step runs under ``torch.profiler``; each rank writes its trace (Chrome JSON, gzipped) to DIR.
 
+``--dp N`` runs data parallelism over N of the ranks (pp = ranks / N; ``--chunks 1``: 1F1B), the
+gradients all-reduced in ``pm.step`` as benchmarks/layout_choice_gpu.py does, so that a step's end
+(the all-reduce, deferred BatchNorm's commit, the gradient norm, the optimizer) is one range,
+``step_end``, whose host ops and GPU kernels the summary lists by time.
+
 The summary reads the traces' GPU kernels. Per rank: how long NCCL kernels were resident in the
 step, on how many streams (each directed link has its own), and how much longer the stages'
 kernels ran while an NCCL kernel was resident than while none was: every kernel name seen both
@@ -35,7 +40,7 @@ sys.path.insert(0, HERE)
 def trace(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     import autopipe
     from gpu_throughput import Env, adamw, batch, build_vit, loss_fn
@@ -43,19 +48,22 @@ def trace(args: argparse.Namespace) -> None:
     env = Env(args.smoke)
     B, m, chunks = (16, 4, 2) if args.smoke else (args.batch, args.microbatches, args.chunks)
     img = 32 if args.smoke else 224
+    pp = env.world // args.dp
     torch.manual_seed(0)
     model = build_vit(args.model, args.smoke)
-    pm = autopipe.parallelize(model, (torch.randn(B // m, 3, img, img),), pp=env.world, microbatches=m,
-                              schedule="interleaved_1f1b", chunks=chunks, loss_fn=loss_fn,
-                              mixed_precision=None if args.smoke else "bf16", device=env.device,
-                              cuda_graphs=env.cuda and not args.eager)
+    pm = autopipe.parallelize(model, (torch.randn(B // args.dp // m, 3, img, img),), pp=pp,
+                              microbatches=m, schedule="interleaved_1f1b" if chunks > 1 else "1f1b",
+                              chunks=chunks, loss_fn=loss_fn, mixed_precision=None if args.smoke else "bf16",
+                              device=env.device, cuda_graphs=env.cuda and not args.eager)
     pm.train()
     opt = adamw(pm.parameters(), env)
-    x, y = batch(env, B, img, 10 if args.smoke else 1000)
+    x, y = batch(env, B // args.dp, img, 10 if args.smoke else 1000, seed=env.rank // pp)
 
     def step() -> None:
-        pm.train_step(x, y)
-        opt.step()
+        with pm.no_sync():  # the dp all-reduce in step(), with the rest of the step's end
+            pm.train_step(x, y)
+        with record_function(STEP_END):
+            pm.step(opt)
         opt.zero_grad(set_to_none=True)
 
     for _ in range(args.warmup):
@@ -78,13 +86,47 @@ def trace(args: argparse.Namespace) -> None:
         print(summarise(args.out))
 
 
+STEP_END = "step_end"
 LONG_US = 300.0  # a point-to-point kernel resident longer than this waited for its peer (moving 26 MB takes <100 us)
 
 
-def kernels(path: str) -> list[dict[str, Any]]:
+def events(path: str) -> list[dict[str, Any]]:
     with gzip.open(path, "rt") as f:
-        events = json.load(f)["traceEvents"]
-    return [e for e in events if e.get("cat") == "kernel" and e.get("dur", 0) > 0]
+        return json.load(f)["traceEvents"]
+
+
+def kernels(evs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [e for e in evs if e.get("cat") == "kernel" and e.get("dur", 0) > 0]
+
+
+def step_end(evs: list[dict[str, Any]], top: int = 8) -> dict[str, Any]:
+    """What the ``step_end`` range holds: its host time, the host ops directly under it and the
+    GPU kernels that ran from its start to the trace's end, each by name and total ms."""
+    ranges = [e for e in evs if e.get("name") == STEP_END and e.get("cat") == "user_annotation"]
+    if not ranges:
+        return {}
+    a = ranges[0]["ts"]
+    b = a + ranges[0]["dur"]
+    ops = sorted((e for e in evs if e.get("cat") == "cpu_op" and a <= e["ts"] and e["ts"] + e["dur"] <= b),
+                 key=lambda e: (e["ts"], -e["dur"]))
+    outer, reach = [], -1.0  # the ops no other op holds
+    for e in ops:
+        if e["ts"] >= reach:
+            outer.append(e)
+            reach = e["ts"] + e["dur"]
+    ks = [k for k in kernels(evs) if k["ts"] >= a]
+
+    def by_name(items: list[dict[str, Any]]) -> list[list[Any]]:
+        total: dict[str, list[float]] = {}
+        for e in items:
+            t = total.setdefault(e["name"], [0, 0.0])
+            t[0] += 1
+            t[1] += e["dur"] / 1e3
+        return [[n, c, round(ms, 3)] for n, (c, ms) in sorted(total.items(), key=lambda kv: -kv[1][1])[:top]]
+
+    gpu_end = max((k["ts"] + k["dur"] for k in ks), default=b)
+    return {"host_ms": (b - a) / 1e3, "to_gpu_end_ms": (max(b, gpu_end) - a) / 1e3, "host_ops": by_name(outer),
+            "kernels": len(ks), "kernel_ms": sum(k["dur"] for k in ks) / 1e3, "top_kernels": by_name(ks)}
 
 
 def overlap(ks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -136,13 +178,21 @@ def summarise(folder: str) -> str:
     rows = {}
     for path in sorted(glob.glob(os.path.join(folder, "rank*.json.gz"))):
         rank = int(os.path.basename(path)[4:].split(".")[0])
-        r = rows[rank] = overlap(kernels(path))
+        evs = events(path)
+        r = rows[rank] = overlap(kernels(evs))
+        r["step_end"] = step_end(evs)
         lines.append(f"{rank:>4} {r['step_ms']:8.1f} {r['nccl_kernels']:12d} {r['nccl_streams']:7d} "
                      f"{r['nccl_resident_ms']:11.1f} {r['compute_ms']:10.1f} {r['compute_beside_nccl_ms']:11.1f} "
                      + (f"{r['beside_over_alone'] - 1:+9.1%}" if r["priced_share"] else f"{'-':>9}"))
         for stream, link in sorted(r["links"].items()):
             lines.append(f"     stream {stream}: {link['kernels']} send/receive kernels, {link['ms']:.1f} ms; "
                          f"{link['waits']} resident over {LONG_US:.0f} us, {link['waits_ms']:.1f} ms")
+        end = r["step_end"]
+        if end:
+            lines.append(f"     step end: {end['host_ms']:.2f} ms on the host, {end['to_gpu_end_ms']:.2f} ms to the "
+                         f"last kernel; {end['kernels']} kernels, {end['kernel_ms']:.2f} ms")
+            for kind in ("host_ops", "top_kernels"):
+                lines += [f"       {kind[:4]} {name[:70]:70} x{count:<5} {ms:8.3f} ms" for name, count, ms in end[kind]]
     with open(os.path.join(folder, "summary.json"), "w") as f:
         json.dump(rows, f, indent=1)
     return "\n".join(lines)
@@ -156,6 +206,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--chunks", type=int, default=4)
+    p.add_argument("--dp", type=int, default=1, help="data-parallel degree (pp = ranks / dp)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--eager", action="store_true", help="eager stages (default: CUDA graphs)")
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU over gloo (a check of the script)")
