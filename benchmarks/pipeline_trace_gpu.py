@@ -10,8 +10,9 @@ step runs under ``torch.profiler``; each rank writes its trace (Chrome JSON, gzi
 
 ``--dp N`` runs data parallelism over N of the ranks (pp = ranks / N; ``--chunks 1``: 1F1B), the
 gradients all-reduced in ``pm.step`` as benchmarks/layout_choice_gpu.py does, so that a step's end
-(the all-reduce, deferred BatchNorm's commit, the gradient norm, the optimizer) is one range,
-``step_end``, whose host ops and GPU kernels the summary lists by time.
+(the all-reduce, the gradient norm, the optimizer; deferred BatchNorm commits earlier, at the end
+of ``train_step``) is one range, ``step_end``, whose host ops and GPU kernels the summary lists by
+time.
 
 The summary reads the traces' GPU kernels. Per rank: how long NCCL kernels were resident in the
 step, on how many streams (each directed link has its own), and how much longer the stages'
