@@ -226,7 +226,7 @@ class Bench:
             self.save()
             raise RuntimeError(f"{name} failed on some ranks only; stopping")
         self.results.append(row)
-        log(f"  {name}: " + ", ".join(f"{k}={v}" for k, v in row.items() if k != "config"))
+        log(f"  {name}: " + ", ".join(f"{k}={v}" for k, v in row.items() if k not in ("config", "events")))
         self.save()
         env.reset_memory()
 
@@ -293,6 +293,9 @@ class Bench:
                 out["busy_ms"] = [round(busy[r] * 1e3, 1) for r in sorted(busy)]
                 out["busy_spread"] = round(max(busy.values()) / min(busy.values()) - 1, 3)
                 out["bubble"] = round(measured_bubble(events), 3)
+                t0 = min(e.start for e in events)  # every span of that step, ms from its first
+                out["events"] = [[e.rank, e.action, e.stage, e.microbatch, round((e.start - t0) * 1e3, 3),
+                                  round((e.end - t0) * 1e3, 3)] for e in events]
         del opt
         pm.close()
         return out
@@ -458,9 +461,10 @@ def suite(bench: Bench, which: str) -> None:
         check(2, 1, "interleaved_1f1b", 2, graphs=True, compiled=True)
         check(1, 2, "1f1b", 1, compiled=True)
         check(1, 2, "1f1b", 1, sp=True, compiled=True)
-        run(f"autopipe pp=2 interleaved graphs compiled chunks=4 m={m // 2}", B, 2,
-            lambda: bench.autopipe(B, pp=2, tp=1, m=m // 2, schedule="interleaved_1f1b", chunks=4, graphs=True,
-                                   compiled=True))
+        for chunks, mm in ((4, m // 2), (4, m), (2, m), (8, m // 2)):  # the bubble against micro-batch size
+            run(f"autopipe pp=2 interleaved graphs compiled chunks={chunks} m={mm}", B, 2,
+                lambda c=chunks, mm=mm: bench.autopipe(B, pp=2, tp=1, m=mm, schedule="interleaved_1f1b", chunks=c,
+                                                       graphs=True, compiled=True))
         run(f"autopipe pp=2 1f1b graphs compiled m={m}", B, 2,
             lambda: bench.autopipe(B, pp=2, tp=1, m=m, schedule="1f1b", graphs=True, compiled=True))
         run("autopipe tp=2 compiled", Btp, 2,
