@@ -15,7 +15,7 @@ from autopipe.runtime.schedule import all_rank_actions, simulate, theoretical_bu
 from autopipe.search import Layout, LinkModel, Pricing, plan_layout, replay, search_layouts
 from autopipe.search.costs import GraphCosts, scaled
 from autopipe.search.layouts import layouts
-from autopipe.search.predict import FRAGMENTATION, GRAPH_POOL_SCALE, predict
+from autopipe.search.predict import FRAGMENTATION, GRAPH_POOL_SCALE, GRAPH_POOL_WEIGHT_BYTES, predict
 from autopipe.search.search import _estimate
 from autopipe.shard import plan_sharding
 from autopipe.tracer import trace
@@ -266,14 +266,16 @@ def test_predictions_grow_with_work_and_memory_with_held_activations():
 
 def test_captured_stages_hold_a_pool_per_slot_and_checkpointing_saves_them_nothing():
     """[Note: graph pools]: one captured stage holds its pool (saved activations x the pool
-    scale, and its parameters' gradients before they are added into .grad); an interleaved
+    scale, its parameters' gradients before they are added into .grad, and per parameter the
+    bf16 weight its forward saved and that weight's bf16 gradient); an interleaved
     rank holds a pool per stage and micro-batch its stage holds (12 on rank 0 at pp=2, 4 chunks,
     4 micro-batches, where eager holds 9 at once); a slot's backward recomputes into its pool."""
     graph = GraphCosts(_vit_graph(), 2)
     pricing = _pricing(64)
     state, saved = float(graph.state_bytes.sum()), float(graph.saved_ref.sum()) * 64 / graph.reference_size
     one = Layout(1, 1, 1, 1, 1, "1f1b", False, False, "graphs")
-    expected = state + GRAPH_POOL_SCALE * saved + float(graph.param_bytes.sum())
+    params = float(graph.param_bytes.sum())  # fp32: 4 bytes a parameter
+    expected = state + GRAPH_POOL_SCALE * saved + params + GRAPH_POOL_WEIGHT_BYTES * params / 4
     assert predict(graph, one, pricing).memory_bytes == pytest.approx(FRAGMENTATION * expected)
     checkpointed = predict(graph, dataclasses.replace(one, recompute=True), pricing)
     assert checkpointed.memory_bytes == pytest.approx(FRAGMENTATION * expected)
