@@ -30,8 +30,9 @@ cut, 3 SGD steps against one GPU running the same micro-batches (max relative pa
 Per row: samples/s (``--steps`` after ``--warmup``, between two synchronisations), each rank's
 busy time in one more step (forward + backward, CUDA events) and its spread (max/min - 1), the
 measured bubble, and the peak memory of the fullest GPU. Targets (issue: several-GPU checks):
-busy spread <= 5% for the best measured cut (measured or pipeline-scaled); ResNet-50 and Swin-B >= 1.3x the filed
-cut's samples/s (the roofline cut's where the filed one did not run). Written after every row; the table is printed last; exits 1 on a miss.
+busy spread <= 5% for the best measured cut (measured or pipeline-scaled); ResNet-50 and Swin-B
+>= 1.3x the filed cut's samples/s (the roofline cut's where the filed one did not run). Written
+after every row; the table is printed last; exits 1 on a miss.
 """
 from __future__ import annotations
 
