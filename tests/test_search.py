@@ -266,8 +266,8 @@ def test_predictions_grow_with_work_and_memory_with_held_activations():
 
 def test_captured_stages_hold_a_pool_per_slot_and_checkpointing_saves_them_nothing():
     """[Note: graph pools]: one captured stage holds its pool (saved activations x the pool
-    scale, its parameters' gradients before they are added into .grad, and per parameter the
-    bf16 weight its forward saved and that weight's bf16 gradient); an interleaved
+    scale, and its parameters' gradients before they are added into .grad; under autocast also,
+    per parameter, the bf16 weight its forward saved and that weight's bf16 gradient); an interleaved
     rank holds a pool per stage and micro-batch its stage holds (12 on rank 0 at pp=2, 4 chunks,
     4 micro-batches, where eager holds 9 at once); a slot's backward recomputes into its pool."""
     graph = GraphCosts(_vit_graph(), 2)
@@ -275,8 +275,12 @@ def test_captured_stages_hold_a_pool_per_slot_and_checkpointing_saves_them_nothi
     state, saved = float(graph.state_bytes.sum()), float(graph.saved_ref.sum()) * 64 / graph.reference_size
     one = Layout(1, 1, 1, 1, 1, "1f1b", False, False, "graphs")
     params = float(graph.param_bytes.sum())  # fp32: 4 bytes a parameter
-    expected = state + GRAPH_POOL_SCALE * saved + params + GRAPH_POOL_WEIGHT_BYTES * params / 4
+    expected = state + GRAPH_POOL_SCALE * saved + params
     assert predict(graph, one, pricing).memory_bytes == pytest.approx(FRAGMENTATION * expected)
+    bf16 = dataclasses.replace(pricing, activation_bytes=0.5)
+    autocast = state + GRAPH_POOL_SCALE * saved / 2 + params + GRAPH_POOL_WEIGHT_BYTES * params / 4
+    assert GRAPH_POOL_WEIGHT_BYTES > 0
+    assert predict(graph, one, bf16).memory_bytes == pytest.approx(FRAGMENTATION * autocast)
     checkpointed = predict(graph, dataclasses.replace(one, recompute=True), pricing)
     assert checkpointed.memory_bytes == pytest.approx(FRAGMENTATION * expected)
     interleaved = Layout(2, 1, 1, 4, 4, "interleaved_1f1b", False, False, "graphs")

@@ -54,7 +54,7 @@ with 4 chunks and 8 micro-batches (24 slots on its fullest ranks) was 11% (ViT-L
 (ViT-H/14) short, and the shortfall per slot went with the stage's parameters: about 5 bytes per
 parameter for both. Under autocast a slot also keeps the bf16 copy of each weight that its
 forward saved, and its backward writes the weight's bf16 gradient beside the fp32 one: 4 bytes
-per parameter (``GRAPH_POOL_WEIGHT_BYTES``). Refitted with that term over the 29 graph layouts of
+per parameter (``GRAPH_POOL_WEIGHT_BYTES``; none where the stages compute in fp32). Refitted with that term over the 29 graph layouts of
 the five 2026-11-28 runs on 2 and 4 H200s (ViT-L/16, ViT-H/14, ViT-B/16, ResNet-50; the scale
 1.27 -> 1.2), 28 lie within the benchmark's bounds (-15% to +50%; 25 before): the pp=4 layouts -4%
 and -5%, ResNet-50's dp=2 at one micro-batch +45% (from +52%); ViT-B/16's pp=2 with 2 chunks and 8
@@ -271,7 +271,8 @@ def _memory(graph: GraphCosts, layout: Layout, starts: list[int], ends: list[int
         mine = [(i, j) for k, (i, j) in enumerate(zip(starts, ends)) if k % layout.pp == r]
         per_mb = sum(float(s_prefix[j] - s_prefix[i]) for i, j in mine) / max(len(mine), 1)
         if layout.mode.endswith("graphs"):
-            activations = _graph_pools(graph, layout, starts, ends, s_prefix, ratio * pricing.activation_bytes, r)
+            activations = _graph_pools(graph, layout, starts, ends, s_prefix, ratio * pricing.activation_bytes, r,
+                                       autocast=pricing.activation_bytes < 1.0)
         elif layout.recompute:
             inputs = sum(float(graph.cut_bytes_ref[i - 1]) * ratio * pricing.activation_bytes
                          for i, _ in mine if i > 0) / max(len(mine), 1)
@@ -284,10 +285,12 @@ def _memory(graph: GraphCosts, layout: Layout, starts: list[int], ends: list[int
 
 
 def _graph_pools(graph: GraphCosts, layout: Layout, starts: list[int], ends: list[int], saved: np.ndarray,
-                 cut_scale: float, rank: int) -> float:
+                 cut_scale: float, rank: int, *, autocast: bool) -> float:
     """Bytes rank ``rank``'s captured stages hold: per stage, its slots x (its graph pool and
     static boundary tensors); see [Note: graph pools]. ``saved``: the prefix sums of the saved
-    bytes; ``cut_scale``: a cut's traced bytes to its bytes at this micro-batch."""
+    bytes; ``cut_scale``: a cut's traced bytes to its bytes at this micro-batch; ``autocast``: the
+    stages compute in a lower precision than their fp32 weights (a slot keeps their copies)."""
+    weights = 1.0 + (GRAPH_POOL_WEIGHT_BYTES / 4.0 if autocast else 0.0)  # per fp32 parameter byte
     slots = stage_slots(layout.schedule, layout.pp, layout.microbatches, layout.chunks, rank)
     params = np.concatenate(([0.0], np.cumsum(graph.param_bytes)))
     n = len(graph.cut_bytes_ref) + 1
@@ -296,7 +299,6 @@ def _graph_pools(graph: GraphCosts, layout: Layout, starts: list[int], ends: lis
         if k % layout.pp != rank:
             continue
         boundary = sum(float(graph.cut_bytes_ref[c - 1]) * cut_scale for c in (i, j) if 0 < c < n)
-        pool = GRAPH_POOL_SCALE * float(saved[j] - saved[i]) + float(params[j] - params[i]) * (
-            1.0 + GRAPH_POOL_WEIGHT_BYTES / 4.0)
+        pool = GRAPH_POOL_SCALE * float(saved[j] - saved[i]) + float(params[j] - params[i]) * weights
         total += slots.get(k, 1) * (pool + 3 * boundary)
     return total
