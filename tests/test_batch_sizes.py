@@ -8,12 +8,15 @@ micro-batch's loss is weighed by its share of the batch. AdamW runs in fp64 (see
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import autopipe
 from autopipe.errors import ConfigError, InputError
+from autopipe.runtime import host_links
 from autopipe.runtime.microbatch import microbatch_sizes
 from tests.distributed import run_distributed
 from tests.models import ADAMW_MODELS, MODELS, logits
@@ -66,7 +69,9 @@ def _parallel(rank, world, name, pp, tp, chunks):
     outs = [pm.eval_step(_data(n, 100 + n)[0]) for n in EVAL]
     new_graphs = {size: sum(stage is not pm.stages[i] for i, stage in stages.items())
                   for size, (stages, _) in pm._runtime.driver.shapes.built().items()}
-    return losses, pm.full_state_dict(), [logits(o) if o is not None else None for o in outs], new_graphs
+    shared = pm._runtime.driver.p2p.shared
+    received = None if shared is None else sum(ring.count for ring in shared.inbox.values())
+    return losses, pm.full_state_dict(), [logits(o) if o is not None else None for o in outs], new_graphs, received
 
 
 @pytest.mark.parametrize("name,pp,tp,chunks", [
@@ -77,7 +82,7 @@ def _parallel(rank, world, name, pp, tp, chunks):
 def test_odd_batches_train_and_evaluate_like_one_process(name, pp, tp, chunks):
     results = run_distributed(_parallel, pp * tp, name, pp, tp, chunks, timeout=400)
     ref_losses, ref_state, ref_outs = _reference(name)
-    for losses, state, outs, new_graphs in results:
+    for losses, state, outs, new_graphs, _ in results:
         assert losses == pytest.approx(ref_losses, rel=1e-6)  # losses are reported in fp32
         for k, v in ref_state.items():
             torch.testing.assert_close(state[k], v, rtol=1e-7, atol=1e-9, msg=k)
@@ -91,6 +96,34 @@ def test_odd_batches_train_and_evaluate_like_one_process(name, pp, tp, chunks):
         assert all(n == 1 for r in results for n in r[3].values())
     if name == "timm_vit":
         assert all(n == 0 for r in results for n in r[3].values())  # fx graphs read sizes from tensors
+
+
+def _shared_links(rank, world, name, pp, tp, chunks):
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)  # one host, as torchrun says
+    host_links.SHARED_LINKS = True  # [Note: shared-memory links]
+    return _parallel(rank, world, name, pp, tp, chunks)
+
+
+def test_shared_memory_links_carry_the_planned_size_and_leave_larger_ones_to_the_backend():
+    """Eval batches of 7 in 2 micro-batches are 4 samples each, over the planned 3: their
+    messages do not fit a slot and go over gloo, the others through shared memory."""
+    results = run_distributed(_shared_links, 2, "timm_swin", 2, 1, 2, timeout=400)
+    ref_losses, ref_state, ref_outs = _reference("timm_swin")
+    received = []
+    for losses, state, outs, _, got_shared in results:
+        received.append(got_shared)
+        assert losses == pytest.approx(ref_losses, rel=1e-6)
+        for k, v in ref_state.items():
+            torch.testing.assert_close(state[k], v, rtol=1e-7, atol=1e-9, msg=k)
+        for got, want in zip(outs, ref_outs):
+            if got is not None:
+                torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-9)
+    # Training: 7 micro-batches of at most 3 samples (6, 5 and 3 in two, 1 in one) cross the 3
+    # boundaries of 4 stages forward and back; evaluation: 5 ([3, 2]), 1, and of 7 ([4, 3]) the
+    # 3 samples, forward. Of the 4 samples' messages, those of boundaries smaller than the
+    # largest fit a slot too; the largest boundary's does not.
+    fit = 2 * 3 * 7 + 3 * 4
+    assert fit <= sum(received) < fit + 3
 
 
 def test_equal_split_runs_any_divisible_batch_and_refuses_the_rest():

@@ -6,6 +6,7 @@ each test compares one configuration against a gradient-accumulation reference i
 from __future__ import annotations
 
 import contextlib
+import os
 import weakref
 from typing import Any, Iterator
 
@@ -15,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autopipe.errors import ConfigError, InputError, ScheduleError
-from autopipe.runtime import PipelineDriver, TensorSpec, streams
+from autopipe.runtime import PipelineDriver, TensorSpec, host_links, streams
 from autopipe.runtime.schedule import max_in_flight_bound
 from tests.distributed import run_distributed
 
@@ -173,6 +174,9 @@ def train_pipeline(rank: int, pp: int, chunks: int, schedule: str, opt: str, m: 
         "state": {s: {k: v.clone() for k, v in local[s].state_dict().items()} for s in local},
         "eval": None if out is None else out["out"],
         "first": None if first_outputs is None else first_outputs["out"],
+        "shared": None if driver.p2p is None or driver.p2p.shared is None else
+        {"received": sum(r.count for r in driver.p2p.shared.inbox.values()),
+         "sent": sum(r.count for r in driver.p2p.shared.outbox.values())},
         "peak": peak[0],
     }
 
@@ -261,15 +265,22 @@ def delayed_sends_worker(rank: int, world_size: int) -> list[dict]:
     return [train_pipeline(rank, world_size, chunks, schedule, "sgd", m=4) for chunks, schedule in JUST_IN_TIME]
 
 
-@pytest.mark.parametrize("worker", [just_in_time_worker, delayed_sends_worker], ids=["receives", "sends-delayed"])
-def test_transfers_posted_just_in_time_train_the_same(worker: Any) -> None:
-    per_rank = run_distributed(worker, 2, timeout=120)
-    for i, (chunks, schedule) in enumerate(JUST_IN_TIME):
+def assert_like_one_process(per_rank: list[list[dict]], configs: tuple[tuple[int, str], ...]) -> None:
+    """Every rank's run of each (chunks, schedule) in ``configs`` (2 ranks, SGD, 4 micro-batches)
+    against one process: losses, parameters and the eval outputs."""
+    for i, (chunks, schedule) in enumerate(configs):
         ref = reference(2 * chunks, "sgd", 4)
         for rank, runs in enumerate(per_rank):
             assert runs[i]["losses"] == pytest.approx(ref["losses"], rel=1e-5), (schedule, rank)
             for s, state in runs[i]["state"].items():
                 torch.testing.assert_close(state, ref["stages"][s].state_dict(), rtol=1e-5, atol=1e-6)
+            if runs[i]["eval"] is not None:
+                torch.testing.assert_close(runs[i]["eval"], ref["eval"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("worker", [just_in_time_worker, delayed_sends_worker], ids=["receives", "sends-delayed"])
+def test_transfers_posted_just_in_time_train_the_same(worker: Any) -> None:
+    assert_like_one_process(run_distributed(worker, 2, timeout=120), JUST_IN_TIME)
 
 
 @pytest.mark.parametrize("chunks,schedule", [(1, "gpipe"), (1, "1f1b"), (2, "interleaved_1f1b"), (3, "gpipe")])
@@ -333,3 +344,22 @@ def test_train_mode_reaches_every_stage() -> None:
     assert not any(m.training for s in driver.stages.values() for m in s.modules())
     driver.train()
     assert all(m.training for s in driver.stages.values() for m in s.modules())
+
+
+def shared_links_worker(rank: int, world_size: int) -> list[dict]:
+    os.environ["LOCAL_WORLD_SIZE"] = str(world_size)  # one host, as torchrun says
+    host_links.SHARED_LINKS = True  # [Note: shared-memory links]
+    return [train_pipeline(rank, world_size, chunks, schedule, "sgd", m=4) for chunks, schedule in SHARED]
+
+
+SHARED = ((1, "gpipe"), (1, "1f1b"), (2, "interleaved_1f1b"))
+
+
+def test_shared_memory_links_train_the_same() -> None:
+    per_rank = run_distributed(shared_links_worker, 2, timeout=120)
+    assert_like_one_process(per_rank, SHARED)
+    for i, (chunks, schedule) in enumerate(SHARED):
+        # 3 train steps (forward and back) and an eval step, every message through the shared
+        # links: 4 micro-batches cross 2 * chunks - 1 boundaries each way.
+        sent, received = ([runs[i]["shared"][k] for runs in per_rank] for k in ("sent", "received"))
+        assert sum(sent) == sum(received) == 7 * 4 * (2 * chunks - 1), (schedule, sent, received)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 import autopipe
 from autopipe.errors import InputError, PipelineFailure
-from autopipe.runtime import PipelineDriver
+from autopipe.runtime import PipelineDriver, host_links
 from autopipe.failure.monitor import FailureMonitor, failure_key
 from tests import failing_job as job
 from tests.distributed import DistributedTestError, RankError, run_distributed
@@ -269,6 +269,31 @@ def test_a_dead_rank_fails_the_others_within_the_deadline() -> None:
     for rank in (0, 1, 3):
         r = results[rank]
         assert isinstance(r, RankError) and r.exc_type == "autopipe.errors.PipelineFailure", str(r)
+
+
+def failing_pipeline_shared(rank: int, pp: int, chunks: int, schedule: str, culprit: int, die: bool,
+                            deadline: float) -> float:
+    """failing_pipeline with its messages through shared memory ([Note: shared-memory links])."""
+    os.environ["LOCAL_WORLD_SIZE"] = str(pp)  # one host, as torchrun says
+    host_links.SHARED_LINKS = True
+    return failing_pipeline(rank, pp, chunks, schedule, culprit, die, deadline)
+
+
+def test_over_shared_memory_a_raising_rank_fails_every_rank_and_a_dead_one_times_out() -> None:
+    start = time.perf_counter()
+    raised = run_distributed(failing_pipeline_shared, 2, 2, "interleaved_1f1b", 1, False, 60.0,
+                             timeout=90, return_exceptions=True)
+    assert time.perf_counter() - start < 30  # relayed through the store, not by the 60 s deadline
+    assert (raised[1].exc_type, raised[1].message) == ("builtins.ValueError", "bad batch")
+    assert raised[0].exc_type == "autopipe.errors.PipelineFailure", str(raised[0])
+    assert raised[0].message == "pipeline rank 1 failed: ValueError: bad batch"
+    start = time.perf_counter()
+    died = run_distributed(failing_pipeline_shared, 4, 1, "1f1b", 2, True, 5.0, timeout=90, return_exceptions=True)
+    assert time.perf_counter() - start < 45
+    assert isinstance(died[2], RankError) and died[2].exitcode == 3
+    for rank in (0, 1, 3):  # waiting on the dead rank's counters, or on a rank that waits on it
+        assert isinstance(died[rank], RankError) and died[rank].exc_type == "autopipe.errors.PipelineFailure", \
+            str(died[rank])
 
 
 # -- tensor- and data-parallel ranks, and how failed processes exit --------------------------

@@ -17,6 +17,7 @@ from torch.distributed.distributed_c10d import _get_default_store
 
 from autopipe.errors import AutopipeError, PipelineFailure
 from autopipe.failure import exit_hook
+from autopipe.failure.arrival import absent
 from autopipe.failure.backend_errors import brief, lost_peer
 from autopipe.failure.waiter import Pending, Ticket, Waiter
 
@@ -102,6 +103,11 @@ def failure_key(group: dist.ProcessGroup | None) -> str:
     name = "-".join(map(str, ranks))
     _instances[name] += 1
     return f"autopipe/failure/{name}/{_instances[name]}"
+
+
+def _shared(works: Sequence) -> bool:
+    """Whether ``works`` are messages of shared-memory links (runtime/host_links.py)."""
+    return bool(works) and all(hasattr(w, "ready") for w in works)
 
 
 def active() -> FailureMonitor | None:
@@ -263,7 +269,7 @@ class FailureMonitor:
 
     def start(self, works: Sequence[dist.Work]) -> Pending:
         """Begins watching ``works`` now (sends: their tensors can go once ``done()``)."""
-        if self._sends is None:
+        if self._sends is None or _shared(works):
             return Pending(works, None)
         return Pending(works, self._sends.submit(works))
 
@@ -277,6 +283,14 @@ class FailureMonitor:
         stream and the host goes on at once: see [Note: stream-side waits].
         """
         pending = works if isinstance(works, Pending) else Pending(works, None)
+        if _shared(pending.works):  # see [Note: shared-memory links] in autopipe/runtime/host_links.py
+            if self.failed is not None:
+                raise self.failed
+            for work in pending.works:
+                if not work.ready():
+                    self.poll(work.ready, what)
+                work.wait()
+            return
         if on_stream and self._recvs is None:
             if self.failed is not None:
                 raise self.failed
@@ -290,7 +304,7 @@ class FailureMonitor:
             return
         for work in pending.works:
             if not work.is_completed():
-                self._poll(work.is_completed, what)
+                self.poll(work.is_completed, what)
             try:
                 work.wait()
             except Exception as exc:
@@ -330,7 +344,7 @@ class FailureMonitor:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(t.device))
         if not event.query():
-            self._poll(event.query, what)
+            self.poll(event.query, what)
 
     def arrive(self, what: str) -> None:
         """Returns once every rank sharing the key called ``what`` as its n-th collective call;
@@ -359,27 +373,9 @@ class FailureMonitor:
                 pass
             self.check()
             if time.perf_counter() - start > self.deadline:
-                failure = self._lost(self._absent(base, what))
+                failure = self._lost(absent(self.store, self.size, base, what, self.deadline))
                 self.record(failure)  # releases the ranks waiting for this one elsewhere
                 raise failure
-
-    def _absent(self, base: str, what: str) -> str:
-        """Which ranks did not call ``what`` (and what they called instead)."""
-        missing, other = [], []
-        for r in range(self.size):
-            try:
-                called = self.store.get(f"{base}/rank{r}").decode() if self.store.check([f"{base}/rank{r}"]) else None
-            except Exception:  # noqa: BLE001 - the message is best effort
-                called = None
-            if called != what:
-                missing.append(r)
-                if called is not None:
-                    other.append(f"rank {r} called {called}")
-        ranks = ", ".join(map(str, missing[:16])) + (", ..." if len(missing) > 16 else "")
-        instead = f" ({'; '.join(other[:4])} instead)" if other else ""
-        return (f"{what} is collective, and rank{'s' if len(missing) > 1 else ''} {ranks} did not call it "
-                f"within {self.deadline:g} s{instead}; "
-                f"call it on every rank (or raise deadline= if a rank is this slow to get there)")
 
     def _await(self, ticket: Ticket, what: str) -> None:
         start = time.perf_counter()
@@ -390,7 +386,9 @@ class FailureMonitor:
         if ticket.error is not None:
             raise self._lost(f"{what} failed: {brief(ticket.error)}") from ticket.error
 
-    def _poll(self, done: Callable[[], bool], what: str) -> None:
+    def poll(self, done: Callable[[], bool], what: str) -> None:
+        """Returns once ``done()``; past the deadline, or once another rank recorded a failure,
+        raises PipelineFailure (``what`` names what was waited for)."""
         start = time.perf_counter()
         check_at, sleep = start + self.interval, 5e-5
         while not done():

@@ -16,6 +16,7 @@ from torch.utils import _pytree as pytree
 from autopipe.errors import ConfigError, InputError, ScheduleError
 from autopipe.runtime.batch_shapes import BatchShapes, Shapes
 from autopipe.runtime.graphs import StageGraphs
+from autopipe.runtime.host_links import ring_slots, shared_links, slot_bytes
 from autopipe.runtime.host_threads import pinned_host_threads
 from autopipe.failure.monitor import DEFAULT_DEADLINE, FailureMonitor, failure_key
 from autopipe.runtime.microbatch import SPLITS, batch_size, merge, microbatch_sizes, split_inputs, split_targets
@@ -107,13 +108,12 @@ class PipelineDriver:
         self.p2p = P2P(pp_group, links if links is not None else world_links(pp_group)) if pp > 1 else None
         # CPU tensors travel over gloo, whose p2p works finish only inside wait().
         self.monitor = monitor if monitor is not None else FailureMonitor(
-            pp_rank,
-            (store if store is not None else _get_default_store()) if pp > 1 else None,
-            failure_key(pp_group) if pp > 1 else "",
-            deadline=deadline,
-            threaded=self.device.type == "cpu",
-        )
+            pp_rank, (store if store is not None else _get_default_store()) if pp > 1 else None,
+            failure_key(pp_group) if pp > 1 else "", deadline=deadline, threaded=self.device.type == "cpu")
         self.transfers = StepTransfers(self.p2p, self.device, self.monitor, timeline)
+        # (CUDA, one host): how transfers are posted, and whether through shared memory (host_links.py).
+        self._link = (self.device.type == "cuda", self.p2p is not None and self.p2p.one_host)
+        self._shared = pp > 1 and shared_links(*self._link)
         if cuda_graphs and (self.device.type != "cuda" or schedule == "forward_only" or
                             (0 in stages and input_specs is None)):
             raise ConfigError("cuda_graphs=True needs CUDA stages, a training schedule and the model's "
@@ -132,7 +132,13 @@ class PipelineDriver:
             with self.monitor.guard():
                 work = dist.all_reduce(torch.zeros(1, device=self.device), group=pp_group, async_op=True)
                 self._wait_collective(work, "start-up all-reduce of the pipeline group")
-                self.transfers.connect([self._train_program or [], self._eval_program], pp_rank)
+                shared = (ring_slots(schedule, pp, microbatches, chunks),
+                          slot_bytes([b for st in self._sets.values() for b in st.boundary_specs])) if self._shared else None
+                self.transfers.connect([self._train_program or [], self._eval_program], pp_rank, shared=shared)
+
+    def close(self) -> None:
+        """Lets go of the shared-memory links (host_links.py); nothing is sent afterwards."""
+        self.transfers.close()
 
     def train(self, mode: bool = True) -> PipelineDriver:
         """Sets train/eval mode of every local stage (dropout, batch norm), at every batch size,
@@ -237,9 +243,9 @@ class PipelineDriver:
         """The bound steps of ``schedule`` over ``m`` micro-batches, compiled once."""
         if (schedule, m) not in self._programs:
             validate(schedule, self.pp, m, self.chunks)
-            link = (self.device.type == "cuda", self.p2p is not None and self.p2p.one_host)
+            delay = streams.delay_sends(*self._link) and not self._shared  # a shared-memory send holds no SM
             self._programs[(schedule, m)] = compile_program(schedule, self.pp, m, self.chunks, self.pp_rank,
-                                                            streams.receive_lead(*link), streams.delay_sends(*link))
+                                                            streams.receive_lead(*self._link), delay)
         return self._programs[(schedule, m)]
 
     def _reset(self) -> None:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from autopipe.errors import ConfigError, InputError
 from autopipe.memory_format import channels_last_dense
+from autopipe.runtime.host_links import SharedLinks
 
 __all__ = [
     "TensorSpec", "Transfer", "Handle", "Link", "P2P", "BufferPool", "LINK_MAX_CTAS", "one_host",
@@ -176,6 +177,7 @@ class P2P:
         self.rank = dist.get_rank(group)
         self._global = [dist.get_global_rank(world, r) for r in range(dist.get_world_size(group))]
         self.links = links
+        self.shared: SharedLinks | None = None  # set by StepTransfers.connect where they are used
 
     @property
     def one_host(self) -> bool:
@@ -195,12 +197,17 @@ class P2P:
                               f"build the links with autopipe.runtime.p2p.link_groups") from None
 
     def post(self, transfers: Sequence[Transfer]) -> list[Handle]:
-        """Posts every transfer, in order, each tensor as one isend/irecv on its link; one
-        handle per transfer."""
+        """Posts every transfer, in order: through the shared-memory links where they carry it
+        (see [Note: shared-memory links] in host_links.py), else each tensor as one isend/irecv
+        on its link; one handle per transfer."""
         handles = []
         for t in transfers:
+            wire = [_wire(x) for x in t.tensors]
+            if self.shared is not None and self.shared.carries(t.send, t.peer, wire):
+                handles.append(Handle(self.shared.post(t.send, t.peer, wire, t.what), t))
+                continue
             op, group, peer = dist.isend if t.send else dist.irecv, self.link(t.send, t.peer), self._global[t.peer]
-            handles.append(Handle([op(_wire(x), peer, group=group) for x in t.tensors], t))
+            handles.append(Handle([op(x, peer, group=group) for x in wire], t))
         return handles
 
     def connect(self, links: Sequence[Link], device: torch.device, wait: Callable[[list, str], None]) -> None:

@@ -27,6 +27,11 @@ moves before both ends have started it, and no buffering) :func:`stream_deadlock
 deadlock for any schedule here (tests/test_streams.py checks pp 2-8, every chunk count and
 micro-batch count up to 16), while the one-stream layout deadlocks already for 1F1B.
 
+Between processes of one host a pipeline's messages go through shared memory instead ([Note:
+shared-memory links] in host_links.py): a send is a copy on the copy engines and a receive holds
+nothing until its consumer takes it, so nothing below about NCCL kernels holding SMs applies to
+them, and their sends are posted right after the compute that made them.
+
 [Note: receive lead]
 Receives are posted ``lead`` computes before their consumer. The backend may start a receive
 only once the compute queued before it is done, so a receive posted right before its consumer

@@ -11,8 +11,10 @@ from collections import deque
 from typing import Sequence
 
 import torch
+from torch.distributed.distributed_c10d import _get_default_store
 
-from autopipe.failure.monitor import FailureMonitor
+from autopipe.failure.monitor import FailureMonitor, failure_key
+from autopipe.runtime.host_links import SharedLinks
 from autopipe.runtime.p2p import P2P, BufferPool, Link, TensorSpec, Transfer
 from autopipe.runtime.program import PointToPoint, Step, Transfers
 from autopipe.runtime.schedule import ActionKind
@@ -32,15 +34,33 @@ class StepTransfers:
         self.pool = BufferPool(device)
         self.reset()
 
-    def connect(self, programs: Sequence[list[Step]], pp_rank: int) -> None:
+    def connect(self, programs: Sequence[list[Step]], pp_rank: int, *,
+                shared: tuple[dict[Link, int], int] | None = None) -> None:
         """Brings up the directed links that ``programs`` (pipeline rank ``pp_rank``'s) send or
-        receive on; see :meth:`~autopipe.runtime.p2p.P2P.connect`."""
+        receive on; see :meth:`~autopipe.runtime.p2p.P2P.connect`. With ``shared``, (slots per
+        link from :func:`~autopipe.runtime.host_links.ring_slots`, bytes per slot), also their
+        shared-memory links, exchanged through the monitor's store (see [Note: shared-memory
+        links] in host_links.py). Collective over the pipeline."""
         used: set[Link] = set()
         for step in (step for program in programs for step in program):
             if isinstance(step, Transfers):
                 for t in step.transfers:
                     used.add((pp_rank, t.peer) if t.send else (t.peer, pp_rank))
         self.p2p.connect(sorted(used), self.pool.device, self.monitor.wait)
+        if shared is not None:
+            slots, nbytes = shared
+            store = self.monitor.store if self.monitor.store is not None else _get_default_store()
+            self.p2p.shared = SharedLinks.connect(
+                device=self.pool.device, store=store,
+                key=failure_key(self.p2p.group).replace("/failure/", "/links/"), rank=pp_rank,
+                receives={a: slots.get((a, b), 1) for a, b in used if b == pp_rank},
+                sends=[b for a, b in used if a == pp_rank], slot_bytes=nbytes,
+                poll=self.monitor.poll, timeout=self.monitor.deadline)
+
+    def close(self) -> None:
+        """Lets go of the shared-memory links, if any."""
+        if self.p2p is not None and self.p2p.shared is not None:
+            self.p2p.shared.close()
 
     def reset(self) -> None:
         """Forgets the step's transfers (also those a failed step left)."""

@@ -52,9 +52,14 @@ class StepDefaults:
     posted as late as the schedule allows ([Note: send timing] in the same file), and the busy
     time fell again, by 1.030 (ViT-L/16, pp=2, CUDA graphs, two H200s, A-B-A in one run;
     benchmarks/results/2026-11-28-h200x2-pipeline-links-send-delays-graphs.json): the pipeline
-    scale is 1.17 / 1.057 / 1.030 = 1.075. Checked on 4 H200s (-2026-11-28-h200x4-layout-choice-
-    vit-{l,h}.json): the pipeline part of the four pp layouts within -2% to +5%. A transfer's
-    posting overlaps the GPU's work. CPU: torch's AdamW takes its single-tensor
+    scale was 1.17 / 1.057 / 1.030 = 1.075, checked on 4 H200s (-2026-11-28-h200x4-layout-choice-
+    vit-{l,h}.json): the pipeline part of the four pp layouts within -2% to +5%. Between GPUs of
+    one host a pipeline's messages now go through shared memory, copied by the copy engines
+    ([Note: shared-memory links] in autopipe/runtime/host_links.py), and the busy time fell by
+    1.046 (ViT-L/16, pp=2, interleaved with 4 chunks and 4 micro-batches, compiled stages in CUDA
+    graphs, two H200s, A-B-A in one run: 116.1 ms off, 110.3 and 111.7 on;
+    benchmarks/results/2026-11-28-h200x2-shared-links.json): the scale is 1.075 / 1.046 = 1.028.
+    A transfer's posting overlaps the GPU's work. CPU: torch's AdamW takes its single-tensor
     path, about ten small kernels per tensor (~35 us measured on a 2-core x86 box, one thread),
     and each gloo transfer is posted, waited on by a thread and handed back while the compute
     shares the same cores (~150 us on that box, see benchmarks/layout_choice_cpu.py).
@@ -69,7 +74,7 @@ class StepDefaults:
     pipeline_scale: float = 1.0
 
 
-STEP_DEFAULTS = {"cuda": StepDefaults(10e-6, 5.4e-6, 3.9e-6, 0.0, ADAMW_FOREACH_BYTES_PER_PARAM, 1.17, 1.075),
+STEP_DEFAULTS = {"cuda": StepDefaults(10e-6, 5.4e-6, 3.9e-6, 0.0, ADAMW_FOREACH_BYTES_PER_PARAM, 1.17, 1.028),
                  "cpu": StepDefaults(200e-6, 35e-6, None, 150e-6, ADAMW_BYTES_PER_PARAM)}
 
 

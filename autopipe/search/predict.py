@@ -70,6 +70,7 @@ import numpy as np
 from autopipe.partition import balance as balancer
 from autopipe.partition.device import DeviceProfile
 from autopipe.partition.transfers import boundary_copy_seconds
+from autopipe.runtime.host_links import ring_slots
 from autopipe.runtime.schedule import max_in_flight_bound, stage_slots
 
 from .costs import GraphCosts
@@ -265,6 +266,7 @@ def _memory(graph: GraphCosts, layout: Layout, starts: list[int], ends: list[int
     # measured peak; see benchmarks/layout_prediction.py.
     saved = graph.saved_ref * ratio * pricing.activation_bytes
     s_prefix = np.concatenate(([0.0], np.cumsum(saved)))
+    rings = _ring_bytes(graph, layout, starts, ratio * pricing.activation_bytes, pricing)
     worst = 0.0
     for r in range(layout.pp):
         held = max_in_flight_bound(layout.schedule, layout.pp, layout.microbatches, layout.chunks, r)
@@ -280,8 +282,29 @@ def _memory(graph: GraphCosts, layout: Layout, starts: list[int], ends: list[int
         else:
             activations = held * per_mb
         total = (state[r] + params[r] * pricing.weight_cast_bytes + activations) * FRAGMENTATION
-        worst = max(worst, total)
+        worst = max(worst, total + rings.get(r, 0.0))
     return worst
+
+
+HOST_GPUS = 8  # the most GPUs of one host: a layout on no more shares one host, and its links shared memory
+
+
+def _ring_bytes(graph: GraphCosts, layout: Layout, starts: list[int], cut_scale: float,
+                pricing: Pricing) -> dict[int, float]:
+    """Per pipeline rank, the bytes of the shared-memory rings of the links into it, on GPUs of
+    one host ([Note: shared-memory links] in runtime/host_links.py): slots x the largest
+    boundary of the layout's cut. ``cut_scale``: a cut's traced bytes to its bytes at this
+    micro-batch size."""
+    devices = layout.pp * layout.tp * layout.dp
+    if layout.pp == 1 or pricing.profile.name == "cpu" or devices > HOST_GPUS:
+        return {}
+    n = len(graph.cut_bytes_ref) + 1
+    largest = max((float(graph.cut_bytes_ref[i - 1]) for i in starts if 0 < i < n), default=0.0) * cut_scale
+    rings: dict[int, float] = {}
+    for (_, b), slots in ring_slots(layout.schedule, layout.pp, layout.microbatches, layout.chunks,
+                                    fewer=False).items():
+        rings[b] = rings.get(b, 0.0) + slots * largest
+    return rings
 
 
 def _graph_pools(graph: GraphCosts, layout: Layout, starts: list[int], ends: list[int], saved: np.ndarray,

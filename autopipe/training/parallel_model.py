@@ -263,6 +263,7 @@ class ParallelModel:
         the process (on CPUs, with gloo)."""
         if not self._closed:
             self._closed = True
+            self._runtime.driver.close()
             self._monitor.close()
             release_groups(self._mesh, release_checkpoint_group(self))
 
