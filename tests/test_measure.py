@@ -245,7 +245,8 @@ def test_the_closed_loop_stops_at_its_target_and_checks_its_arguments():
 
 def test_boundary_moves_balance_by_timing_two_stages_at_a_time():
     """A device on which later nodes cost up to 2.5x what the profile says: moving boundaries,
-    judged by the two stages each move changes, comes near the best split of the true costs."""
+    judged by the stages each move changes (two, or a chain's run), reaches the best split of
+    the true costs."""
     traced = trace(timm_vit(depth=8), (torch.randn(4, 3, 32, 32),))
     measured, *_ = _synthetic(traced)
     order = [n.name for n in traced.gm.graph.nodes if n.op != "output"]
@@ -271,9 +272,13 @@ def test_boundary_moves_balance_by_timing_two_stages_at_a_time():
                           cut_at=lambda starts: partition_at(traced, starts, device="h100", measured=measured))
     floor = least_imbalance([base.get(n, 0.0) * weight[n] for n in order], 4, allowed_cuts=allowed)
     assert before > 1.3
-    assert out.measured_imbalance <= floor + 0.04
+    # Single moves stop at 1.038 here, where no boundary can give a neighbour less than the gap
+    # across it; chains of boundaries reach the floor.
+    assert out.measured_imbalance <= floor + 0.002
     assert all(s.measured_time == pytest.approx(true(s)) for s in out.stages)  # every stage's time is its own
-    assert timed and all(len(t) == 2 and t[1] == t[0] + 1 for t in timed)  # two neighbours at a time
+    # Two neighbours at a time, or the run of stages that a chain of boundaries changed.
+    assert timed and all(t == list(range(t[0], t[0] + len(t))) and len(t) >= 2 for t in timed)
+    assert any(r["kept"] and len(r["stages"]) > 2 for r in out.refinement if "move" in r)
     moves = [r for r in out.refinement if "move" in r]
     assert len(moves) == len(timed) <= 16
     slowest = max(s.measured_time for s in plan.stages)
