@@ -87,3 +87,20 @@ def test_a_slot_of_no_bytes_is_refused() -> None:
     with pytest.raises(ConfigError, match="slot_bytes must be positive, got 0"):
         SharedLinks.connect(device=torch.device("cpu"), store=dist.HashStore(), key="k", rank=0, receives={},
                             sends=[], slot_bytes=0, poll=lambda done, what: None, timeout=1.0)
+
+
+@pytest.mark.parametrize("end", ["_open_ring", "_make_ring"])
+def test_a_ring_either_end_cannot_set_up_leaves_the_link_to_the_backend(monkeypatch: pytest.MonkeyPatch,
+                                                                        end: str) -> None:
+    """Both ends drop the link alike: GPUs without peer access refuse the receiver's memory, and
+    memory that cannot be shared refuses its handle."""
+    def refuse(*args: object) -> None:
+        raise RuntimeError("peer access is not supported between these devices")
+
+    monkeypatch.setattr(SharedLinks, end, refuse)
+    with pytest.warns(RuntimeWarning, match=r"from pipeline rank 0 to 1 could not be set up \(RuntimeError: peer "
+                                            r"access .*\); its messages go over the backend's link"):
+        sender, receiver, _ = _ends(slots=2, nbytes=ALIGN)
+    assert not sender.carries(True, 1, [torch.zeros(4)]) and not receiver.carries(False, 0, [torch.zeros(4)])
+    sender.close()
+    receiver.close()

@@ -32,7 +32,9 @@ on the host or on the GPU (across steps it may wait for the receiver to finish t
 which needs nothing from the sender), and no two ranks can wait on each other. (Interleaved 1F1B with pp=2 carries 28
 messages a step on each link and is never more than 4 ahead; ViT-L/16's 77 MB boundaries then
 take 0.3 GB a link.) A message larger than a slot (micro-batches larger than planned) goes
-over the backend's link; both ends decide it alike from the message's specs. Host waits poll
+over the backend's link; both ends decide it alike from the message's specs. A ring either end
+cannot set up (GPUs without peer access, memory that cannot be shared) is dropped by both, with
+a warning, and the link stays the backend's. Host waits poll
 through the failure monitor: a peer that died raises PipelineFailure instead of hanging.
 
 On CPUs the same ring lies in a file in /dev/shm, the copies are synchronous, and no event is
@@ -48,6 +50,7 @@ import math
 import os
 import pickle
 import uuid
+import warnings
 import weakref
 from typing import Callable, Sequence
 
@@ -236,18 +239,39 @@ class SharedLinks:
                   slot_bytes: int, timeout: float) -> None:
         """See :meth:`connect`: three rounds through the store, none waiting on a later one."""
         wait = datetime.timedelta(seconds=timeout)
+        # A ring that one end cannot make or open (GPUs without peer access, memory that cannot be
+        # shared) is published as None: both ends then leave that link to the backend.
         for peer, slots in sorted(receives.items()):  # 1: every receiver shares its ring
-            store.set(f"{key}/{peer}-{rank}/ring", pickle.dumps(self._make_ring(peer, slots, slot_bytes)))
+            shared = self._attempt(lambda: self._make_ring(peer, slots, slot_bytes), self.inbox, peer, peer, rank)
+            store.set(f"{key}/{peer}-{rank}/ring", pickle.dumps(shared))
         for peer in sorted(sends):  # 2: every sender opens the ring and shares its events
             k = f"{key}/{rank}-{peer}/ring"
             store.wait([k], wait)
-            store.set(f"{key}/{rank}-{peer}/events", pickle.dumps(self._open_ring(peer, pickle.loads(store.get(k)))))
-        for peer in sorted(receives):  # 3: every receiver opens the sender's events
+            ring = pickle.loads(store.get(k))
+            events = None if ring is None else \
+                self._attempt(lambda: self._open_ring(peer, ring), self.outbox, peer, rank, peer)
+            store.set(f"{key}/{rank}-{peer}/events", pickle.dumps(events))
+        for peer in sorted(p for p in receives if p in self.inbox):  # 3: every receiver opens the sender's events
             k = f"{key}/{peer}-{rank}/events"
             store.wait([k], wait)
-            ring = self.inbox[peer]
-            ring.written = self._events(pickle.loads(store.get(k)))
+            events = pickle.loads(store.get(k))
+            if events is None:  # the sender could not open the ring: both ends leave the link to the backend
+                del self.inbox[peer]
+                continue
+            self.inbox[peer].written = self._events(events)
         _unlink(self._files)  # both ends have opened the files: they live as long as they are open
+
+    @staticmethod
+    def _attempt(make: Callable[[], object], rings: dict, peer: int, sender: int, receiver: int) -> object:
+        """``make()``, or None with a warning where it fails (the ring for ``peer`` dropped)."""
+        try:
+            return make()
+        except (RuntimeError, OSError) as exc:
+            rings.pop(peer, None)
+            warnings.warn(f"the shared-memory link from pipeline rank {sender} to {receiver} could not be set up "
+                          f"({type(exc).__name__}: {exc}); its messages go over the backend's link "
+                          f"(AUTOPIPE_SHARED_LINKS=0 turns these links off)", RuntimeWarning, stacklevel=3)
+            return None
 
     def _make_ring(self, peer: int, slots: int, slot_bytes: int) -> dict:
         """This rank's ring for the link from ``peer``, and what the sender needs to open it."""
