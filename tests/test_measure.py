@@ -351,6 +351,41 @@ def test_boundary_moves_judge_both_plans_in_one_timing_when_the_pace_changes():
     assert pairs > both + 0.05
 
 
+def test_moved_plans_are_priced_by_the_corrected_profile(monkeypatch):
+    """A device on which each segment of the profile runs at its own hidden speed (0.6x-1.6x):
+    the plan the loop returns after moving boundaries is priced by the profile as the rounds'
+    timings corrected it, not by the raw profile, so its prices follow the device."""
+    traced = trace(timm_vit(depth=8), (torch.randn(4, 3, 32, 32),))
+    measured, *_ = _synthetic(traced)
+    group_of = _groups(traced, measured)
+    gen = torch.Generator().manual_seed(5)
+    hidden = (0.6 + torch.rand(len(measured.segments), generator=gen)).tolist()
+
+    def true(stage):
+        return sum(measured.node_seconds.get(n, 0.0) * hidden[group_of[n]] for n in stage.nodes)
+
+    def fake_time_plan(traced_, plan, setup, group=None, stages=None):
+        times = [true(s) for s in plan.stages]
+        return times if stages is None else [times[i] for i in stages]
+
+    monkeypatch.setattr(autopipe.measure, "time_plan", fake_time_plan)
+    monkeypatch.setattr(autopipe.measure, "_time_both", lambda traced_, p, q, setup, scale: (
+        fake_time_plan(traced_, p, setup), fake_time_plan(traced_, q, setup)))
+    plan = autopipe.measure.measured_plan(traced, CPU, dict(pp=4, device="h100"), measured=measured,
+                                          options=MeasureOptions(reps=2, warmup=1, rounds=1, moves=8, target=1.0))
+    assert any(r.get("kept") for r in plan.refinement if "move" in r)  # the kept plan was moved
+    raw = [sum(measured.node_seconds.get(n, 0.0) for n in s.nodes) + measured.stage_overhead for s in plan.stages]
+    truth = [true(s) for s in plan.stages]
+    error = max(abs(s.compute_time - t) / t for s, t in zip(plan.stages, truth))
+    assert max(abs(r - t) / t for r, t in zip(raw, truth)) > 0.15  # the raw profile is far off
+
+    assert error < 0.05
+    assert "calibrated" in plan.refinement[-1]  # the fit over every timing, the moves' included
+    last = [r for r in plan.refinement if r.get("kept")][-1]
+    assert [s.nodes[0] for s in plan.stages] == last["stage_starts"]  # repriced, not re-cut
+    assert [s.measured_time for s in plan.stages] == pytest.approx(truth)
+
+
 def test_measure_options_check_the_moves():
     traced = _vit_traced()
     with pytest.raises(ConfigError, match="boundary moves"):

@@ -11,7 +11,7 @@ import dataclasses
 import gc
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -24,7 +24,7 @@ from autopipe.stages import mlp_pieces, plan_stages
 from autopipe.tracer import TracedModel
 
 from .cache import ProfileCache, default_cache_dir
-from .closed_loop import TARGET, move_boundaries, refine
+from .closed_loop import TARGET, calibrate, move_boundaries, refine, timings
 from .pipeline_scale import stage_scale, stage_seconds
 from .profile import DEFAULT_SEGMENTS, _rank_world, _share, on_rank0, profile_graph, profile_key, segment_starts
 from .host_pace import PACE
@@ -126,9 +126,15 @@ def _close_the_loop(traced: TracedModel, plan: PartitionPlan, setup: RunSetup, m
         """Both plans' stages in one timing ([Note: paired timings]), on rank 0, sent to all."""
         return on_rank0(lambda: _time_both(traced, p, other, timing, scale), group)
 
-    def replan(factors: list[float]) -> PartitionPlan:
+    def corrected(factors: list[float], fixed: float | None = None) -> MeasuredCosts:
+        """The profile with each group's seconds scaled by its factor (and a stage's fixed
+        seconds, where given)."""
         seconds = {n: s * factors[group_of[n]] for n, s in measured.node_seconds.items()}
-        return plan_stages(traced, measured=dataclasses.replace(measured, node_seconds=seconds), **partition_args)
+        return dataclasses.replace(measured, node_seconds=seconds,
+                                   stage_overhead=measured.stage_overhead if fixed is None else fixed)
+
+    def replan(factors: list[float]) -> PartitionPlan:
+        return plan_stages(traced, measured=corrected(factors), **partition_args)
 
     if not isinstance(options.moves, int) or isinstance(options.moves, bool) or options.moves < 0:
         raise ConfigError(f"closed-loop boundary moves must be a non-negative integer, got {options.moves!r}")
@@ -140,12 +146,49 @@ def _close_the_loop(traced: TracedModel, plan: PartitionPlan, setup: RunSetup, m
         return plan  # boundaries the user placed, or a memory cap the moves would not check, stay
     order = [n.name for n in traced.gm.graph.nodes if n.op != "output"]
     at_args = {k: v for k, v in partition_args.items() if k not in ("split_mlps", "measured", "node_seconds")}
-    return move_boundaries(plan, order=order, allowed=cut_candidates(traced),
-                           seconds=[measured.node_seconds.get(n, 0.0) for n in order],
+    groups = len(measured.segments)
+    planned = _planned_at(order, measured.node_seconds, group_of)
+    # Moved plans are priced by the profile as the rounds' timings corrected it ...
+    priced = corrected(*(calibrate(plan.refinement, groups, planned) or ([1.0] * groups,)))
+    plan = move_boundaries(plan, order=order, allowed=cut_candidates(traced),
+                           seconds=[priced.node_seconds.get(n, 0.0) for n in order],
                            measure=timed,
-                           cut_at=lambda starts: partition_at(traced, starts, measured=measured, **at_args),
+                           cut_at=lambda starts: partition_at(traced, starts, measured=priced, **at_args),
                            target=options.target, moves=options.moves,
                            paired=None if setup.mode.endswith("graphs") else timed_against)
+    # ... and the plan kept, by every timing of the loop, its moves' included.
+    fit = calibrate(plan.refinement, groups, planned)
+    starts = [s.nodes[0] for s in plan.stages]
+    if fit is None or planned(starts) is None:
+        return plan
+    kept = partition_at(traced, [order.index(n) for n in starts], measured=corrected(*fit), **at_args)
+    for stage, old in zip(kept.stages, plan.stages):
+        stage.measured_time = old.measured_time
+    kept.refinement = plan.refinement + [{"calibrated": [round(f, 4) for f in fit[0]], "fixed": fit[1],
+                                          "timings": len(timings(plan.refinement))}]
+    return kept
+
+
+def _planned_at(order: list[str], seconds: dict[str, float],
+                group_of: dict[str, int]) -> Callable[[list[str]], list[dict[int, float]] | None]:
+    """``planned(stage_starts)``: each stage's profiled seconds by segment group, for the plan
+    whose stages start at those nodes; None where a start is not a node of ``order`` (an MLP
+    piece)."""
+    position = {n: k for k, n in enumerate(order)}
+
+    def planned(starts: list[str]) -> list[dict[int, float]] | None:
+        if any(n not in position for n in starts):
+            return None
+        bounds = [position[n] for n in starts] + [len(order)]
+        out = []
+        for a, b in zip(bounds, bounds[1:]):
+            by_group: dict[int, float] = {}
+            for n in order[a:b]:
+                if n in seconds:
+                    by_group[group_of[n]] = by_group.get(group_of[n], 0.0) + seconds[n]
+            out.append(by_group)
+        return out
+    return planned
 
 
 def _time_both(traced: TracedModel, plan: PartitionPlan, other: PartitionPlan, setup: RunSetup,
