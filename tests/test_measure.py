@@ -22,7 +22,7 @@ from autopipe.errors import ConfigError, ProfileError
 from autopipe.measure import MeasureOptions, ProfileCache, RunSetup, profile_graph, segment_starts
 from autopipe.measure import _groups, _planned
 from autopipe.measure import profile as profile_module
-from autopipe.measure.closed_loop import move_boundaries, refine
+from autopipe.measure.closed_loop import _chains, move_boundaries, refine
 from autopipe.partition.balance import least_imbalance
 from autopipe.partition.cuts import cut_candidates
 from autopipe.partition.partitioner import partition_at
@@ -289,6 +289,26 @@ def test_boundary_moves_balance_by_timing_two_stages_at_a_time():
     again = move_boundaries(out, order=order, allowed=allowed, seconds=[0.0] * len(order), measure=measure,
                             cut_at=None, target=10.0)
     assert again is out and len(timed) == len(moves)
+
+
+def test_chains_run_to_every_stage_under_the_mean_the_fastest_first():
+    """ViT-B/16's 8 stages as an H200 timed them eagerly (ms): the chain to the fastest stage
+    (1) crosses five stages, and shorter chains to the other fast ones (0, 5) are tried after it."""
+    times = [5.88, 5.82, 6.14, 6.04, 6.01, 5.89, 6.24, 6.35]
+    starts = [0, 10, 20, 30, 40, 50, 60, 70]
+    prefix = np.arange(81, dtype=float)  # 80 nodes of a second each, a cut allowed after any
+    chains = _chains(starts, times, 7, prefix, [True] * 80)
+    assert [far for far, _ in chains] == [1, 0, 5, 4, 3]  # under the mean (6.046), the fastest first
+    for far, new in chains:  # each boundary from the far stage's end to the slowest's start, one node on
+        assert new == [s + (1 if far < b <= 7 else 0) for b, s in enumerate(starts)]
+    # a stage of one node gives it and takes the next
+    narrow = [0, 10, 20, 21, 30, 40, 50, 70]
+    assert dict(_chains(narrow, times, 7, prefix, [True] * 80))[1] == [0, 10, 21, 22, 31, 41, 51, 71]
+    # towards a slowest stage before them, every boundary moves back
+    assert dict(_chains(starts, times[::-1], 0, prefix, [True] * 80))[6] == [0, 9, 19, 29, 39, 49, 59, 70]
+    # no chain where a boundary has no allowed cut before the next one (none from 12 to 35 here)
+    walled = [True] * 11 + [False] * 24 + [True] * 45
+    assert sorted(dict(_chains(starts, times, 7, prefix, walled))) == [3, 4, 5]
 
 
 def test_boundary_moves_judge_both_plans_in_one_timing_when_the_pace_changes():
