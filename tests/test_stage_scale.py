@@ -125,7 +125,8 @@ def test_the_closed_loop_compares_scaled_times(monkeypatch):
 
     monkeypatch.setattr(measure_module, "time_plan", fake_time_plan)
     monkeypatch.setattr(measure_module, "_time_both", fake_time_both)
-    plans = {scale: measured_plan(traced, CPU, dict(pp=2, device="cpu"), measured=profile,
+    # cut between whole nodes: this device does not price MLP pieces
+    plans = {scale: measured_plan(traced, CPU, dict(pp=2, device="cpu", split_mlps=False), measured=profile,
                                   options=MeasureOptions(reps=2, warmup=1, rounds=2, moves=4, stage_scale=scale))
              for scale in ((2.0, 1.0), (1.0, 2.0))}
     first, last = plans[(2.0, 1.0)], plans[(1.0, 2.0)]
@@ -135,6 +136,8 @@ def test_the_closed_loop_compares_scaled_times(monkeypatch):
         # The loop kept the stages' times alone times their factors, and judged the balance by them.
         assert [s.measured_time for s in plan.stages] == pytest.approx([t * f for t, f in zip(times, scale)])
         assert plan.measured_imbalance < max(times) / (sum(times) / 2)
+        # Its prices are the profile's, fitted on the times without their factors, times the factors.
+        assert [s.compute_time for s in plan.stages] == pytest.approx([s.measured_time for s in plan.stages], rel=0.05)
 
 
 def test_stage_scale_reads_each_stage_from_the_timeline():

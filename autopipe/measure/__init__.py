@@ -140,7 +140,7 @@ def _close_the_loop(traced: TracedModel, plan: PartitionPlan, setup: RunSetup, m
         raise ConfigError(f"closed-loop boundary moves must be a non-negative integer, got {options.moves!r}")
     plan = refine(plan, groups=len(measured.segments), target=options.target, rounds=options.rounds,
                   planned=lambda p: _planned(traced, p, measured.node_seconds, group_of),
-                  measure=timed, replan=replan)
+                  measure=timed, replan=replan, scale=scale)
     if options.moves == 0 or plan.mlp_pieces or partition_args.get("balance", "cost") != "cost" \
             or partition_args.get("mem_cap") is not None:
         return plan  # boundaries the user placed, or a memory cap the moves would not check, stay
@@ -149,7 +149,7 @@ def _close_the_loop(traced: TracedModel, plan: PartitionPlan, setup: RunSetup, m
     groups = len(measured.segments)
     planned = _planned_at(order, measured.node_seconds, group_of)
     # Moved plans are priced by the profile as the rounds' timings corrected it ...
-    priced = corrected(*(calibrate(plan.refinement, groups, planned) or ([1.0] * groups,)))
+    priced = corrected(*(calibrate(plan.refinement, groups, planned, scale) or ([1.0] * groups,)))
     plan = move_boundaries(plan, order=order, allowed=cut_candidates(traced),
                            seconds=[priced.node_seconds.get(n, 0.0) for n in order],
                            measure=timed,
@@ -157,7 +157,7 @@ def _close_the_loop(traced: TracedModel, plan: PartitionPlan, setup: RunSetup, m
                            target=options.target, moves=options.moves,
                            paired=None if setup.mode.endswith("graphs") else timed_against)
     # ... and the plan kept, by every timing of the loop, its moves' included.
-    fit = calibrate(plan.refinement, groups, planned)
+    fit = calibrate(plan.refinement, groups, planned, scale)
     starts = [s.nodes[0] for s in plan.stages]
     if fit is None or planned(starts) is None:
         return plan

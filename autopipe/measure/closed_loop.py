@@ -90,10 +90,12 @@ def refine(plan: PartitionPlan, *, groups: int,
            planned: Callable[[PartitionPlan], list[dict[int, float]]],
            measure: Callable[[PartitionPlan], Sequence[float]],
            replan: Callable[[list[float]], PartitionPlan],
-           target: float = TARGET, rounds: int = 3) -> PartitionPlan:
+           target: float = TARGET, rounds: int = 3, scale: Sequence[float] | None = None) -> PartitionPlan:
     """See [Note: closed loop]. ``planned(plan)`` gives, per stage, the profiled seconds of its
     nodes by group; ``measure(plan)`` each stage's measured seconds (forward + backward, one
-    micro-batch); ``replan(factors)`` cuts the graph again with each group's seconds scaled."""
+    micro-batch); ``replan(factors)`` cuts the graph again with each group's seconds scaled.
+    ``scale``: the stage scale ``measure`` multiplies each stage's time by ([Note: stage
+    scale]); the factors are fitted on the times without it, as the stages ran alone."""
     if not target >= 1.0:
         raise ConfigError(f"balance target {target!r} must be a max/mean ratio >= 1.0, e.g. 1.05")
     if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 0:
@@ -109,19 +111,16 @@ def refine(plan: PartitionPlan, *, groups: int,
         ratio = plan.measured_imbalance or 1.0
         log.append({"round": r, "measured_max": max(measured), "measured_imbalance": ratio,
                     "times": measured, "stage_starts": [stage.nodes[0] for stage in plan.stages]})
+        alone = [t / (1.0 if scale is None else scale[i]) for i, t in enumerate(measured)]  # as run alone
         if r == 0:
-            first_total = sum(measured)
+            first_total = sum(alone)
         if r == 0 or ratio < (best.measured_imbalance or 1.0):
             best = plan
         if ratio <= target or r == rounds:
             break
-        pace = first_total / sum(measured)
-        for by_group, t in zip(planned(plan), measured):
-            row = np.zeros(groups + 1)
-            for k, seconds in by_group.items():
-                row[k] = seconds
-            row[-1] = 1.0  # the stage's fixed time
-            rows.append(row)
+        pace = first_total / sum(alone)
+        for by_group, t in zip(planned(plan), alone):
+            rows.append(_equation(by_group, groups))
             times.append(t * pace)
         factors = _solve(np.array(rows), np.array(times), groups)
         log[-1]["factors"] = [round(f, 4) for f in factors]
@@ -217,47 +216,59 @@ class _Mover:
         return kept
 
 
-def timings(log: Sequence[dict]) -> list[tuple[list[str], list[int], list[float], float]]:
+def timings(log: Sequence[dict], scale: Sequence[float] | None = None
+            ) -> list[tuple[list[str], list[int], list[float], float]]:
     """Every stage timing in a closed loop's log: (the plan's stage starts, the stages timed,
-    their times, the pace that brings them to the first round's). A round and a paired move time
-    every stage of a plan, so their times are scaled to the first round's total; unpaired moves
-    run under CUDA graphs, at the GPU's steady pace, and time only the stages they change."""
+    their times as the stages ran alone, without ``scale``, and the pace that brings them to the
+    first round's). A round and a paired move time every stage of a plan, so their times are
+    brought to the first round's total; unpaired moves run under CUDA graphs, at the GPU's
+    steady pace, and time only the stages they change."""
+    def alone(stages: Sequence[int], times: Sequence[float]) -> list[float]:
+        return [t / (1.0 if scale is None else scale[i]) for i, t in zip(stages, times)]
+
     out: list[tuple[list[str], list[int], list[float], float]] = []
     total = None
     for r in log:
         if "round" in r:
-            times = list(r["times"])
+            times = alone(range(len(r["times"])), r["times"])
             total = sum(times) if total is None else total
             out.append((list(r["stage_starts"]), list(range(len(times))), times, total / sum(times)))
         elif "move" in r and total is not None:
             if "current" in r:
-                pace = total / sum(r["current"])
-                out.append((list(r["current_starts"]), list(range(len(r["current"]))), list(r["current"]), pace))
+                now = alone(range(len(r["current"])), r["current"])
+                pace = total / sum(now)
+                out.append((list(r["current_starts"]), list(range(len(now))), now, pace))
             else:
                 pace = 1.0
-            out.append((list(r["stage_starts"]), list(r["stages"]), list(r["measured"]), pace))
+            out.append((list(r["stage_starts"]), list(r["stages"]), alone(r["stages"], r["measured"]), pace))
     return out
 
 
-def calibrate(log: Sequence[dict], groups: int, planned: Callable[[list[str]], list[dict[int, float]] | None]
-              ) -> tuple[list[float], float] | None:
+def calibrate(log: Sequence[dict], groups: int, planned: Callable[[list[str]], list[dict[int, float]] | None],
+              scale: Sequence[float] | None = None) -> tuple[list[float], float] | None:
     """Each group's factor and a stage's fixed seconds, fitted on every timing of the loop's
     log, its rounds' and its moves' (see [Note: closed loop]); ``planned(stage_starts)`` gives
     the profiled seconds by group of each stage of the plan that starts there, or None for a
-    plan it cannot rebuild. None when nothing was timed."""
+    plan it cannot rebuild; ``scale``, the stage scale the times were taken at. None when
+    nothing was timed."""
     rows, times = [], []
-    for starts, stages, measured, pace in timings(log):
+    for starts, stages, measured, pace in timings(log, scale):
         by_stage = planned(starts)
         if by_stage is None:
             continue
         for i, t in zip(stages, measured):
-            row = np.zeros(groups + 1)
-            for k, seconds in by_stage[i].items():
-                row[k] = seconds
-            row[-1] = 1.0
-            rows.append(row)
+            rows.append(_equation(by_stage[i], groups))
             times.append(t * pace)
     return _fit(np.array(rows), np.array(times), groups) if rows else None
+
+
+def _equation(by_group: dict[int, float], groups: int) -> np.ndarray:
+    """A stage's row: its profiled seconds by group, and 1 for the stage's fixed time."""
+    row = np.zeros(groups + 1)
+    for k, seconds in by_group.items():
+        row[k] = seconds
+    row[-1] = 1.0
+    return row
 
 
 def _chains(starts: list[int], times: list[float], slow: int, prefix: np.ndarray,
