@@ -226,3 +226,44 @@ def test_training_with_mlp_pieces_equals_one_process_and_checkpoints_cross_layou
             torch.testing.assert_close(r["plain_final"][k], v, rtol=1e-9, atol=1e-12, msg=k)
             assert torch.equal(r["again"][k], r["plain_final"][k]), k
         assert r["plain_loss"] == pytest.approx(r0["ref_losses"][2], rel=1e-6)
+
+
+def test_boundary_moves_keep_a_plan_in_mlp_pieces(monkeypatch):
+    """A plan cut inside MLPs is moved in the graph cut into its pieces: the pieces stay as they
+    are, the boundaries move, the slowest stage gets faster, and the moved plan is the model."""
+    import autopipe.measure as measure
+    from autopipe.measure import MeasureOptions, RunSetup, measured_plan
+    from autopipe.partition.measured import MeasuredCosts, Segment, fingerprint
+    from autopipe.partition.partitioner import analytic_seconds
+    from autopipe.stages.mlp_pieces import PARTIAL_SUM, PIECE_OF
+
+    traced = trace(_model(mlp_ratio=CUT_RATIO), (_x(),))
+    order = [n.name for n in traced.gm.graph.nodes if n.op != "output"]
+    base = {k: v for k, v in analytic_seconds(traced, "cpu").items() if k != "output"}
+    setup = RunSetup("cpu", reps=1, warmup=1)
+    measured = MeasuredCosts(fingerprint(traced.gm), [list(s) for s in traced.input_shapes], "float32", "eager",
+                             "cpu", torch.__version__, [Segment(0, len(order), sum(base.values()), 0.0)], base)
+    weight = {n: 1.0 + 1.5 * k / len(order) for k, n in enumerate(order)}  # later nodes slower than profiled
+
+    def true(plan):
+        share = {n.name: n.meta.get(PIECE_OF, (n.name, 0.0 if n.meta.get(PARTIAL_SUM) else 1.0))
+                 for n in (cut_mlps(traced, plan.mlp_pieces) if plan.mlp_pieces else traced).gm.graph.nodes}
+        return [sum(share[n][1] * base.get(share[n][0], 0.0) * weight.get(share[n][0], 1.0) for n in s.nodes)
+                for s in plan.stages]
+
+    def fake_time_plan(traced_, plan, setup_, group=None, stages=None):
+        times = true(plan)
+        return times if stages is None else [times[i] for i in stages]
+
+    monkeypatch.setattr(measure, "time_plan", fake_time_plan)
+    monkeypatch.setattr(measure, "_time_both", lambda traced_, p, q, setup_, scale: (true(p), true(q)))
+    first = measured_plan(traced, setup, dict(pp=4, device="cpu"), measured=measured, options=MeasureOptions(moves=0))
+    plan = measured_plan(traced, setup, dict(pp=4, device="cpu"), measured=measured,
+                         options=MeasureOptions(rounds=0, moves=8, target=1.0))
+    assert first.mlp_pieces and plan.mlp_pieces == first.mlp_pieces
+    assert any(r.get("kept") for r in plan.refinement if "move" in r)
+    assert max(true(plan)) < max(true(first)) * 0.97
+    assert [s.measured_time for s in plan.stages] == pytest.approx(true(plan))
+    x = _x()
+    out = run_chain(list(emit_stages(traced, plan).values()), x)
+    torch.testing.assert_close(out[0], traced.gm(x)[0], rtol=1e-12, atol=1e-12)

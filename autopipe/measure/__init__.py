@@ -141,7 +141,7 @@ def _close_the_loop(traced: TracedModel, plan: PartitionPlan, setup: RunSetup, m
     plan = refine(plan, groups=len(measured.segments), target=options.target, rounds=options.rounds,
                   planned=lambda p: _planned(traced, p, measured.node_seconds, group_of),
                   measure=timed, replan=replan, scale=scale)
-    if options.moves == 0 or plan.mlp_pieces or partition_args.get("balance", "cost") != "cost" \
+    if options.moves == 0 or partition_args.get("balance", "cost") != "cost" \
             or partition_args.get("mem_cap") is not None:
         return plan  # boundaries the user placed, or a memory cap the moves would not check, stay
     order = [n.name for n in traced.gm.graph.nodes if n.op != "output"]
@@ -150,17 +150,26 @@ def _close_the_loop(traced: TracedModel, plan: PartitionPlan, setup: RunSetup, m
     planned = _planned_at(order, measured.node_seconds, group_of)
     # Moved plans are priced by the profile as the rounds' timings corrected it ...
     priced = corrected(*(calibrate(plan.refinement, groups, planned, scale) or ([1.0] * groups,)))
-    plan = move_boundaries(plan, order=order, allowed=cut_candidates(traced),
-                           seconds=[priced.node_seconds.get(n, 0.0) for n in order],
-                           measure=timed,
-                           cut_at=lambda starts: partition_at(traced, starts, measured=priced, **at_args),
+    graph, seconds = traced, dict(priced.node_seconds)
+    if plan.mlp_pieces:  # moved in the graph cut into the plan's pieces, which stay as they are
+        graph = mlp_pieces.cut_mlps(traced, plan.mlp_pieces)
+        seconds = mlp_pieces.piece_seconds(graph, lambda n: priced.node_seconds.get(n, 0.0), priced.node_seconds)
+
+    def cut_at(starts: list[int]) -> PartitionPlan:
+        moved = partition_at(graph, starts, measured=priced, node_seconds=seconds, **at_args)
+        moved.mlp_pieces = plan.mlp_pieces
+        return moved
+
+    nodes = [n.name for n in graph.gm.graph.nodes if n.op != "output"]
+    plan = move_boundaries(plan, order=nodes, allowed=cut_candidates(graph),
+                           seconds=[seconds.get(n, 0.0) for n in nodes], measure=timed, cut_at=cut_at,
                            target=options.target, moves=options.moves,
                            paired=None if setup.mode.endswith("graphs") else timed_against)
     # ... and the plan kept, by every timing of the loop, its moves' included.
     fit = calibrate(plan.refinement, groups, planned, scale)
     starts = [s.nodes[0] for s in plan.stages]
-    if fit is None or planned(starts) is None:
-        return plan
+    if fit is None or plan.mlp_pieces or planned(starts) is None:
+        return plan  # (a plan in pieces keeps the prices it was cut at)
     kept = partition_at(traced, [order.index(n) for n in starts], measured=corrected(*fit), **at_args)
     for stage, old in zip(kept.stages, plan.stages):
         stage.measured_time = old.measured_time

@@ -131,13 +131,14 @@ def partition_at(traced: TracedModel, starts: Sequence[int], *, device: str | De
                  **kwargs) -> PartitionPlan:
     """The plan whose stages start at the given positions of the node order (placeholders first,
     the output node left out): what a profile's segments and a closed loop's re-cuts emit.
-    ``kwargs`` as for :func:`partition` (pp defaults to one stage per start, chunks to 1)."""
+    ``kwargs`` as for :func:`partition` (pp defaults to one stage per start, chunks to 1);
+    ``node_seconds``, where given, prices the nodes in place of ``measured``'s, as there."""
     args = dict(pp=len(starts), chunks=1, tp=1, microbatches=1, balance="cost", schedule="1f1b",
                 mem_cap=None, model_name="", activation_dtype=None)
     args.update(kwargs)
     args["stage_scale"] = _check_stage_scale(args.pop("stage_scale", None), len(starts), args["balance"],
                                              args["mem_cap"])
-    if measured is not None:
+    if node_seconds is None and measured is not None:
         node_seconds = _measured_seconds(traced, measured)
     return _partition(traced, device=device, node_seconds=node_seconds, measured=measured,
                       starts=list(starts), **args)

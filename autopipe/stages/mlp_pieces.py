@@ -34,7 +34,7 @@ import copy
 import math
 import operator
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Container, Mapping
 
 import torch
 import torch.fx as fx
@@ -45,7 +45,7 @@ from ..graph import MODULE_KEY, keep_buffer_persistence, value_of
 from ..shard import ops
 from ..tracer import TracedModel
 
-__all__ = ["Mlp", "PieceParam", "find_mlps", "cut_mlps", "fine_hidden", "coarse_pieces", "pieces_for",
+__all__ = ["Mlp", "PieceParam", "find_mlps", "cut_mlps", "fine_hidden", "coarse_pieces", "pieces_for", "piece_seconds",
            "piece_params", "merge_pieces", "take_piece", "PIECES_META", "PARTIAL_SUM", "PIECE_OF"]
 
 Pieces = Mapping[str, Mapping[str, Any]]  # fc1 -> {"fc2": name, "hidden": boundaries}
@@ -310,4 +310,19 @@ def coarse_pieces(fine: Pieces, stage_of: Mapping[str, int], gm: fx.GraphModule)
         kept = [0] + [bounds[i] for i in range(1, len(stages)) if stages[i] != stages[i - 1]] + [bounds[-1]]
         if len(kept) > 2:
             out[fc1] = {"fc2": spec["fc2"], "hidden": kept}
+    return out
+
+
+def piece_seconds(split: TracedModel, seconds: Callable[[str], float], priced: Container[str]) -> dict[str, float]:
+    """Seconds of the nodes of ``split`` (a graph cut into pieces) from those of the unsplit
+    graph: a piece takes its share of its node's ``seconds``, the other nodes in ``priced``
+    their own; the partial sums, which no unsplit node was, are left out (to be priced
+    analytically)."""
+    out = {}
+    for node in split.gm.graph.nodes:
+        if PIECE_OF in node.meta:
+            whole, share = node.meta[PIECE_OF]
+            out[node.name] = share * seconds(whole)
+        elif node.name in priced and not node.meta.get(PARTIAL_SUM):
+            out[node.name] = seconds(node.name)
     return out

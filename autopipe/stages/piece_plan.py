@@ -90,13 +90,7 @@ def _with_mlp_pieces(traced: TracedModel, plan: PartitionPlan, args: dict[str, A
     split_traced = pieces.cut_mlps(traced, kept)
     split_seconds = None
     if node_seconds is not None:  # a piece takes its share of the measured node; the rest as measured
-        split_seconds = {}
-        for node in split_traced.gm.graph.nodes:
-            if pieces.PIECE_OF in node.meta:
-                whole, share = node.meta[pieces.PIECE_OF]
-                split_seconds[node.name] = share * seconds(whole)
-            elif node.name in node_seconds and not node.meta.get(pieces.PARTIAL_SUM):
-                split_seconds[node.name] = node_seconds[node.name]
+        split_seconds = pieces.piece_seconds(split_traced, seconds, node_seconds)
     try:
         split = partition(split_traced, **args, node_seconds=split_seconds)
     except PartitionError:
