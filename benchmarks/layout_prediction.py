@@ -23,6 +23,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from autopipe.partition.device import gpu_profile_name  # noqa: E402
 from autopipe.search import plan_layout  # noqa: E402
 from autopipe.search.links import LinkModel  # noqa: E402
 
@@ -39,12 +40,14 @@ def measured_gib(row: dict) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results")
-    parser.add_argument("--profile", default="h100")
+    parser.add_argument("--profile", default="",
+                        help="the device profile to price with (default: the one of the GPU the run was made on)")
     parser.add_argument("--out", default="", help="write the rows as JSON here")
     args = parser.parse_args(argv)
     with open(args.results) as f:
         data = json.load(f)
     world = data["meta"]["world"]
+    profile = args.profile or gpu_profile_name(str(data["meta"].get("device", "")))
     links = LinkModel(**data["meta"]["links"]) if data["meta"].get("links") else None
     rows = [r for r in data["rows"] if "measured" in r]
     failures, out = [], []
@@ -52,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{'GiB':>5s} {'now':>5s} {'error':>7s}")
     for name, batch in sorted({(r["model"], r["batch"]) for r in rows}):
         modes = tuple(sorted({r["layout"].split()[-1] for r in rows if r["model"] == name}))
-        result = plan_layout(f"timm:{name}", devices=world, batch=batch, device=args.profile, modes=modes,
+        result = plan_layout(f"timm:{name}", devices=world, batch=batch, device=profile, modes=modes,
                              links=links, mixed_precision="bf16", exact=10**6, timeline=False)
         ranked = {str(p.layout): p for p in result.ranked}
         for r in (r for r in rows if r["model"] == name and r["batch"] == batch):
@@ -90,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{within} of {len(out)} step times within {TIME:.0%}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"source": args.results, "profile": args.profile, "rows": out}, f, indent=1)
+            json.dump({"source": args.results, "profile": profile, "rows": out}, f, indent=1)
     for line in failures:
         print("FAIL", line)
     return 1 if failures else 0
