@@ -2,7 +2,8 @@
 
     python benchmarks/layout_choice_cpu.py --out results.json [--models vit,resnet] [--batch 16]
 
-Two gloo processes of one thread each (these machines have 2 cores). For each model (a small
+Two gloo processes of one thread each (these machines have 2 cores); with ``--pin``, each
+pinned to a core of its own (``pin_to_core``). For each model (a small
 timm ViT and a small torchvision ResNet, 32x32 images):
 1. the links are measured (``measure_links``: point to point and all-reduce over gloo; the
    least all-reduce latency of three measurements kept), the
@@ -357,8 +358,26 @@ def _timed_passes(layouts: list, time_layout: Any, count: int,
     return passes, clock
 
 
+def pin_to_core(rank: int, world: int) -> int | None:
+    """Pins this process (and the threads it starts: gloo's, the pipeline's transfers) to a core
+    of its own, the rank-th it may run on, where there are at least ``world``; the core, or None.
+
+    Not pinned, two ranks of one thread on a 2-core machine read the same layout's step with a
+    spread of 19% (ViT pp=2, 8 micro-batches, 1F1B) and 59% (tp=2, 4 micro-batches) over six
+    timings each, and 6% and 20% pinned, timings of the two kinds taken in turns in one run.
+    Over whole runs it did not help the predictions (docs/benchmarks.md, 2026-11-28): off by
+    default."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cores) < world:
+        return None
+    os.sched_setaffinity(0, {cores[rank]})
+    return cores[rank]
+
+
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if args.pin:
+        pin_to_core(rank, world)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     import autopipe
@@ -537,6 +556,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--passes", type=int, default=2, help="times every layout is built and timed (the least is kept)")
+    parser.add_argument("--pin", action="store_true", help="each rank pinned to a core of its own (pin_to_core)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     rows = run_two_ranks(worker, args)
