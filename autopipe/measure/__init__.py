@@ -189,14 +189,7 @@ def _planned_at(order: list[str], seconds: dict[str, float],
         if any(n not in position for n in starts):
             return None
         bounds = [position[n] for n in starts] + [len(order)]
-        out = []
-        for a, b in zip(bounds, bounds[1:]):
-            by_group: dict[int, float] = {}
-            for n in order[a:b]:
-                if n in seconds:
-                    by_group[group_of[n]] = by_group.get(group_of[n], 0.0) + seconds[n]
-            out.append(by_group)
-        return out
+        return [_by_group(order[a:b], seconds, group_of, {}) for a, b in zip(bounds, bounds[1:])]
     return planned
 
 
@@ -229,13 +222,17 @@ def _planned(traced: TracedModel, plan: PartitionPlan, seconds: dict[str, float]
         split = mlp_pieces.cut_mlps(traced, plan.mlp_pieces)
         piece_of = {n.name: n.meta[mlp_pieces.PIECE_OF] for n in split.gm.graph.nodes
                     if mlp_pieces.PIECE_OF in n.meta}
-    out = []
-    for stage in plan.stages:
-        by_group: dict[int, float] = {}
-        for n in stage.nodes:
-            whole, share = piece_of.get(n, (n, 1.0))
-            if whole in seconds:
-                k = group_of[whole]
-                by_group[k] = by_group.get(k, 0.0) + share * seconds[whole]
-        out.append(by_group)
-    return out
+    return [_by_group(stage.nodes, seconds, group_of, piece_of) for stage in plan.stages]
+
+
+def _by_group(nodes: list[str], seconds: dict[str, float], group_of: dict[str, int],
+              piece_of: dict[str, tuple[str, float]]) -> dict[int, float]:
+    """The profiled seconds of ``nodes`` by segment group; an MLP piece (``piece_of``: its node
+    and share) counts its share of its node."""
+    by_group: dict[int, float] = {}
+    for n in nodes:
+        whole, share = piece_of.get(n, (n, 1.0))
+        if whole in seconds:
+            k = group_of[whole]
+            by_group[k] = by_group.get(k, 0.0) + share * seconds[whole]
+    return by_group
