@@ -6,7 +6,7 @@ import torch
 
 from autopipe.stages.emit import emit_stages, run_chain
 from autopipe.errors import ConfigError, PartitionError
-from autopipe.stages.mlp_pieces import merge_pieces, piece_params
+from autopipe.stages.piece_state import merge_pieces, piece_params
 from autopipe.partition.partitioner import partition, partition_at
 from autopipe.stages import plan_stages
 from autopipe.tracer import trace

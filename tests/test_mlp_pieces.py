@@ -11,7 +11,8 @@ import torch.nn.functional as F
 import autopipe
 from autopipe.stages.emit import emit_stages, run_chain
 from autopipe.errors import ConfigError, PartitionError
-from autopipe.stages.mlp_pieces import merge_pieces, piece_params, cut_mlps, take_piece
+from autopipe.stages.mlp_pieces import cut_mlps
+from autopipe.stages.piece_state import merge_pieces, piece_params, take_piece
 from autopipe.partition.partitioner import partition
 from autopipe.stages.piece_plan import SPLIT_GAIN, plan_stages
 from autopipe.partition.plan import PartitionPlan

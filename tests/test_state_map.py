@@ -6,7 +6,8 @@ import torch
 import torch.nn as nn
 
 from autopipe.shard import apply_sharding, plan_sharding
-from autopipe.stages.mlp_pieces import PieceParam, cut_mlps, piece_params
+from autopipe.stages.mlp_pieces import cut_mlps
+from autopipe.stages.piece_state import PieceParam, piece_params
 from autopipe.tracer import trace
 from autopipe.training.state_map import load_local_state, local_full_state, state_map
 from tests.models import timm_vit

@@ -10,7 +10,11 @@ tensor parallelism splits it: with the hidden units cut at ``0 = h_0 < h_1 < ...
     fc2(act(fc1(x))) = sum_i fc2_i(act(fc1_i(x)))
 
 where ``fc1_i`` holds rows [h_i, h_i+1) of fc1's weight and bias and ``fc2_i`` columns
-[h_i, h_i+1) of fc2's weight (``fc2_0`` adds fc2's bias). ``cut_mlps`` rewrites a traced graph
+[h_i, h_i+1) of fc2's weight (``fc2_0`` adds fc2's bias). A pair of convolutions is an MLP over
+channels in the same way (``conv2(relu(bn(conv1(x))))`` in a ResNet block, groups=1): the
+hidden units are conv1's output channels, and a BatchNorm between them, which normalises each
+channel on its own, is cut by channel too (its weight, bias and running statistics; the spec
+names it under "norms"). ``cut_mlps`` rewrites a traced graph
 that way: piece i is ``<fc1>_piece{i}`` -> the elementwise chain -> ``<fc2>_piece{i}``, and the
 partial outputs are added. A stage boundary between two pieces carries the MLP's input and the
 partial sum so far; the stages split the parameters between them (nothing is replicated, no
@@ -23,10 +27,7 @@ in the MLPs a boundary fell inside, one piece per stage (``PartitionPlan.mlp_pie
 {"fc2": name, "hidden": boundaries}). Stage emission applies the same rewrite, so the plan's node
 names are the graph's.
 
-State keeps the model's names outside the stages: ``piece_params`` maps each piece's state_dict
-key to (full key, dim, start, stop), ``merge_pieces`` rebuilds full tensors from their pieces and
-``take_piece`` cuts a piece out of a full tensor (``full_state_dict``, ``load_full_state_dict``
-and checkpoints use them).
+State keeps the model's names outside the stages (piece_state.py).
 """
 from __future__ import annotations
 
@@ -40,15 +41,15 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from ..errors import CheckpointError, PartitionError
+from ..errors import PartitionError
 from ..graph import MODULE_KEY, keep_buffer_persistence, value_of
+from ..memory_format import channels_last_dense
 from ..shard import ops
 from ..tracer import TracedModel
+from .piece_state import NORM_ROWS, Pieces, normalise, piece_module
 
-__all__ = ["Mlp", "PieceParam", "find_mlps", "cut_mlps", "fine_hidden", "coarse_pieces", "pieces_for", "piece_seconds",
-           "piece_params", "merge_pieces", "take_piece", "PIECES_META", "PARTIAL_SUM", "PIECE_OF"]
-
-Pieces = Mapping[str, Mapping[str, Any]]  # fc1 -> {"fc2": name, "hidden": boundaries}
+__all__ = ["Mlp", "find_mlps", "cut_mlps", "fine_hidden", "coarse_pieces", "pieces_for", "piece_seconds",
+           "PIECES_META", "PARTIAL_SUM", "PIECE_OF"]
 
 PIECES_META = "autopipe_mlp_pieces"  # on a split GraphModule: the pieces it was cut into
 PARTIAL_SUM = "autopipe_partial_sum"  # on the nodes adding the pieces' partial outputs
@@ -57,104 +58,43 @@ HIDDEN_ALIGN = 8  # piece boundaries are multiples of this many hidden units
 MAX_PIECES = 8
 
 
+LAYER_TYPES: tuple[type, ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+# (output, input) width attributes of each layer type; a piece's module has its own widths
+WIDTHS = {nn.Linear: ("out_features", "in_features"), nn.Conv1d: ("out_channels", "in_channels"),
+          nn.Conv2d: ("out_channels", "in_channels"), nn.Conv3d: ("out_channels", "in_channels")}
+
+
 @dataclass(frozen=True)
 class Mlp:
-    """Two nn.Linear calls joined by a chain of elementwise ops (each the only user of the last)."""
+    """Two layers of one type (nn.Linear, or nn.ConvNd with groups=1) joined by a chain of
+    elementwise ops, and for convolutions BatchNorms (each the only user of the last)."""
 
     fc1: fx.Node
     chain: tuple[fx.Node, ...]
     fc2: fx.Node
+    norms: tuple[str, ...] = ()  # the chain's BatchNorm modules, cut by channel too
+
+    def spec(self, hidden: list[int]) -> dict[str, Any]:
+        """The pieces spec (``PartitionPlan.mlp_pieces`` value) cutting this MLP at ``hidden``."""
+        out: dict[str, Any] = {"fc2": self.fc2.target, "hidden": hidden}
+        return {**out, "norms": list(self.norms)} if self.norms else out
+
+    def hidden(self, gm: fx.GraphModule) -> int:
+        """How many hidden units (fc1's outputs) it has."""
+        return _width(gm.get_submodule(self.fc1.target), 0)
 
 
-@dataclass(frozen=True)
-class PieceParam:
-    """A piece's tensor as part of the model's: rows (dim 0) or columns (dim 1) [start, stop),
-    or the whole tensor (dim None: fc2's bias, held by piece 0)."""
-
-    full: str
-    dim: int | None
-    start: int
-    stop: int
-
-    def of(self, full: torch.Tensor) -> torch.Tensor:
-        """This piece of ``full`` (a view); a 0-dim tensor, such as an optimizer step, is shared."""
-        if self.dim is None or full.dim() == 0:
-            return full
-        return full.narrow(self.dim, self.start, self.stop - self.start)
-
-    @property
-    def stored(self) -> str:
-        """The name checkpoints save this piece under: ``<full>[a:b]`` (rows), ``<full>[:,a:b]``
-        (columns), or the full name for a whole tensor (see [Note: checkpoint layout])."""
-        if self.dim is None:
-            return self.full
-        return f"{self.full}[{':,' if self.dim == 1 else ''}{self.start}:{self.stop}]"
-
-    @classmethod
-    def from_stored(cls, name: str) -> "PieceParam":
-        """The piece a stored name (:attr:`stored`) stands for; a plain name is a whole tensor
-        (dim None). Checkpoints saved from other layouts hold other pieces, so names are read back."""
-        full, bracket, spec = name.rpartition("[")
-        if not bracket or not spec.endswith("]"):
-            return cls(name, None, 0, 0)
-        dim, spec = (1, spec[2:-1]) if spec.startswith(":,") else (0, spec[:-1])
-        start, colon, stop = spec.partition(":")
-        if not (colon and start.isdigit() and stop.isdigit()):
-            return cls(name, None, 0, 0)
-        return cls(full, dim, int(start), int(stop))
+def _layer(node: fx.Node, gm: fx.GraphModule) -> nn.Module | None:
+    """The layer ``node`` calls when it is one an MLP is made of (see :class:`Mlp`), else None."""
+    if node.op != "call_module":
+        return None
+    m = gm.get_submodule(node.target)
+    return m if type(m) in LAYER_TYPES and getattr(m, "groups", 1) == 1 else None
 
 
-def piece_module(module: str, i: int) -> str:
-    """The qualified name of piece ``i`` of linear ``module``."""
-    return f"{module}_piece{i}"
-
-
-def _normalise(pieces: Pieces) -> dict[str, dict[str, Any]]:
-    return {m: {"fc2": str(p["fc2"]), "hidden": [int(b) for b in p["hidden"]]} for m, p in sorted(pieces.items())}
-
-
-def piece_params(pieces: Pieces) -> dict[str, PieceParam]:
-    """Each piece's state_dict key -> where it sits in the model's tensor."""
-    out = {}
-    for fc1, p in _normalise(pieces).items():
-        bounds = p["hidden"]
-        for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
-            out[f"{piece_module(fc1, i)}.weight"] = PieceParam(f"{fc1}.weight", 0, a, b)
-            out[f"{piece_module(fc1, i)}.bias"] = PieceParam(f"{fc1}.bias", 0, a, b)
-            out[f"{piece_module(p['fc2'], i)}.weight"] = PieceParam(f"{p['fc2']}.weight", 1, a, b)
-        out[f"{piece_module(p['fc2'], 0)}.bias"] = PieceParam(f"{p['fc2']}.bias", None, 0, 0)
-    return out
-
-
-def merge_pieces(state: Mapping[str, torch.Tensor], pieces: Pieces) -> dict[str, torch.Tensor]:
-    """``state`` with every complete set of pieces replaced by its full tensor."""
-    keys = piece_params(pieces)
-    out = {k: v for k, v in state.items() if k not in keys}
-    groups: dict[str, list[tuple[int, str]]] = {}
-    for key, pp in keys.items():
-        groups.setdefault(pp.full, []).append((pp.start, key))
-    for full, parts in groups.items():
-        held = [key for _, key in parts if key in state]
-        if not held:
-            continue
-        if len(held) != len(parts):
-            lost = sorted({key for _, key in parts} - set(held))
-            raise CheckpointError(f"'{full}' is cut into pieces across stages and {', '.join(lost)} is held "
-                                  "by no stage; gather the state of every pipeline rank first")
-        dim = keys[parts[0][1]].dim
-        tensors = [state[key] for _, key in sorted(parts)]
-        out[full] = tensors[0] if dim is None else torch.cat(tensors, dim=dim)
-    return out
-
-
-def take_piece(full_state: Mapping[str, torch.Tensor], key: str, pieces: Pieces) -> torch.Tensor:
-    """The tensor for state_dict ``key`` from full tensors: a piece's slice, or the tensor itself."""
-    pp = piece_params(pieces).get(key)
-    return full_state[key] if pp is None else pp.of(full_state[pp.full])
-
-
-def _is_linear(node: fx.Node, gm: fx.GraphModule) -> bool:
-    return node.op == "call_module" and type(gm.get_submodule(node.target)) is nn.Linear
+def _width(layer: nn.Module, which: int) -> int:
+    """A layer's output (0) or input (1) width."""
+    return getattr(layer, WIDTHS[type(layer)][which])
 
 
 def _sole_tensor_input(node: fx.Node) -> fx.Node | None:
@@ -162,37 +102,53 @@ def _sole_tensor_input(node: fx.Node) -> fx.Node | None:
     return inputs[0] if len(inputs) == 1 else None
 
 
-def find_mlps(gm: fx.GraphModule) -> list[Mlp]:
-    """Every fc1 -> elementwise chain -> fc2 that can be cut by hidden unit.
+def _is_channel_norm(node: fx.Node, gm: fx.GraphModule, width: int) -> bool:
+    """A BatchNorm over ``width`` channels that holds no state in submodules (those would not be cut)."""
+    if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
+        return False
+    m = gm.get_submodule(node.target)
+    return (isinstance(m, nn.modules.batchnorm._BatchNorm) and m.num_features == width
+            and not any(True for c in m.children() for _ in c.state_dict()))
 
-    Each linear is its module's only call with one input; each node from fc1 up to fc2 has a
-    single user, the next; the chain's ops are elementwise on that one tensor (activations,
-    dropout, arithmetic with constants); fc2 reads fc1's width. MLPs share no linear: in a
-    stack (Linear, GELU, Linear, GELU, Linear) the first pair is one, the third linear alone
-    is none.
+
+def find_mlps(gm: fx.GraphModule) -> list[Mlp]:
+    """Every fc1 -> chain -> fc2 that can be cut by hidden unit.
+
+    fc1 and fc2 are layers of one type (nn.Linear, or nn.ConvNd with groups=1), each its
+    module's only call with one input; each node from fc1 up to fc2 has a single user, the
+    next; the chain's ops are elementwise on that one tensor (activations, dropout, arithmetic
+    with constants) or, between convolutions, BatchNorms; fc2 reads fc1's width. MLPs share no
+    layer: in a stack (Linear, GELU, Linear, GELU, Linear) the first pair is one, the third
+    linear alone is none.
     """
     calls: dict[str, int] = {}
     for n in gm.graph.nodes:
         if n.op == "call_module":
             calls[n.target] = calls.get(n.target, 0) + 1
     found = []
-    taken: set[fx.Node] = set()  # the linears of the MLPs found so far
+    taken: set[fx.Node] = set()  # the layers of the MLPs found so far
     for fc1 in gm.graph.nodes:
-        if not _is_linear(fc1, gm) or calls[fc1.target] != 1 or len(fc1.args) != 1 or fc1.kwargs or fc1 in taken:
+        first = _layer(fc1, gm)
+        if first is None or calls[fc1.target] != 1 or len(fc1.args) != 1 or fc1.kwargs or fc1 in taken:
             continue
+        hidden = _width(first, 0)
         chain, node = [], fc1
         while len(node.users) == 1:
             nxt = next(iter(node.users))
-            if _is_linear(nxt, gm):
-                hidden = gm.get_submodule(fc1.target).out_features
-                ok = (calls[nxt.target] == 1 and len(nxt.args) == 1 and not nxt.kwargs and nxt.args[0] is node
-                      and gm.get_submodule(nxt.target).in_features == hidden and hidden >= 2 * HIDDEN_ALIGN)
+            second = _layer(nxt, gm)
+            if second is not None:
+                ok = (type(second) is type(first) and calls[nxt.target] == 1 and len(nxt.args) == 1
+                      and not nxt.kwargs and nxt.args[0] is node and _width(second, 1) == hidden
+                      and hidden >= 2 * HIDDEN_ALIGN)
                 if ok:
-                    found.append(Mlp(fc1, tuple(chain), nxt))
+                    norms = tuple(c.target for c in chain if not ops.is_elementwise(c, gm))
+                    found.append(Mlp(fc1, tuple(chain), nxt, norms))
                     taken.update((fc1, nxt))
                 break
             out = value_of(nxt)
-            if not (ops.is_elementwise(nxt, gm) and not ops.is_samplewise(nxt, gm) and _sole_tensor_input(nxt) is node
+            norm = type(first) is not nn.Linear and _is_channel_norm(nxt, gm, hidden) and calls[nxt.target] == 1
+            if not ((norm or (ops.is_elementwise(nxt, gm) and not ops.is_samplewise(nxt, gm)))
+                    and _sole_tensor_input(nxt) is node
                     and isinstance(out, torch.Tensor) and tuple(out.shape) == tuple(value_of(node).shape)):
                 break
             chain.append(nxt)
@@ -214,18 +170,51 @@ def pieces_for(seconds: float, hidden: int, granule: float) -> int:
     return min(MAX_PIECES, math.ceil(seconds / granule), hidden // HIDDEN_ALIGN)
 
 
-def _linear(weight: torch.Tensor, bias: torch.Tensor | None, like: nn.Linear) -> nn.Linear:
-    """An nn.Linear holding copies of ``weight`` and ``bias`` (made on the meta device, not initialised)."""
-    out = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta", dtype=weight.dtype)
-    out.weight = nn.Parameter(weight.detach().clone(), requires_grad=like.weight.requires_grad)
-    if bias is not None:
-        out.bias = nn.Parameter(bias.detach().clone(), requires_grad=like.bias.requires_grad)
-    out.train(like.training)
+def _piece(like: nn.Module, tensors: Mapping[str, torch.Tensor | None], **widths: int) -> nn.Module:
+    """A copy of ``like`` holding copies of ``tensors`` (its own parameters and buffers, by
+    name; None drops one) and the ``widths`` that go with them; nothing else is copied twice."""
+    own = {id(t): t for t in (*like._parameters.values(), *like._buffers.values()) if t is not None}
+    out = copy.deepcopy(like, own)  # its tensors are replaced below, not copied
+    for name, t in tensors.items():
+        if name in like._parameters:
+            old = like._parameters[name]
+            out._parameters[name] = (None if t is None or old is None
+                                     else nn.Parameter(_copy(t, old), requires_grad=old.requires_grad))
+        elif t is not None and like._buffers.get(name) is not None:
+            out._buffers[name] = _copy(t, like._buffers[name])
+    for attr, width in widths.items():
+        setattr(out, attr, width)
     return out
 
 
-def _with_width(value: torch.Tensor, width: int) -> torch.Tensor:
-    return torch.empty((*value.shape[:-1], width), dtype=value.dtype, device="meta")
+def _copy(t: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t``, part of ``whole``, in ``whole``'s layout (a channels-last kernel stays one)."""
+    last = whole.dim() == 4 and whole.is_contiguous(memory_format=torch.channels_last)
+    return t.detach().clone(memory_format=torch.channels_last if last else torch.contiguous_format)
+
+
+def _layer_piece(layer: nn.Module, a: int, b: int, rows: bool, bias: bool) -> nn.Module:
+    """fc1's piece (``rows``: output units [a, b)) or fc2's (input units [a, b); ``bias``: it keeps the bias)."""
+    out_attr, in_attr = WIDTHS[type(layer)]
+    if rows:
+        return _piece(layer, {"weight": layer.weight[a:b], "bias": None if layer.bias is None else layer.bias[a:b]},
+                      **{out_attr: b - a})
+    return _piece(layer, {"weight": layer.weight[:, a:b], "bias": layer.bias if bias else None}, **{in_attr: b - a})
+
+
+def _norm_piece(norm: nn.Module, a: int, b: int) -> nn.Module:
+    tensors = {t: getattr(norm, t)[a:b] for t in NORM_ROWS if getattr(norm, t, None) is not None}
+    if getattr(norm, "num_batches_tracked", None) is not None:
+        tensors["num_batches_tracked"] = norm.num_batches_tracked
+    return _piece(norm, tensors, num_features=b - a)
+
+
+def _with_width(value: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    """A piece's traced value: ``value`` ``width`` wide in ``dim``, in its layout ([Note: boundary layout])."""
+    shape = list(value.shape)
+    shape[dim] = width
+    layout = torch.channels_last if channels_last_dense(value) else torch.contiguous_format
+    return torch.empty(shape, dtype=value.dtype, device="meta", memory_format=layout)
 
 
 def cut_mlps(traced: TracedModel, pieces: Pieces) -> TracedModel:
@@ -234,7 +223,7 @@ def cut_mlps(traced: TracedModel, pieces: Pieces) -> TracedModel:
     Returns ``traced`` itself when there is nothing to cut or it is cut this way already; the
     input graph and model are left alone otherwise.
     """
-    wanted = _normalise(pieces)
+    wanted = normalise(pieces)
     done = traced.gm.meta.get(PIECES_META, {})
     if done == wanted:
         return traced
@@ -250,31 +239,36 @@ def cut_mlps(traced: TracedModel, pieces: Pieces) -> TracedModel:
     graph = gm.graph
     for fc1_name, spec in wanted.items():
         mlp = mlps.get(fc1_name)
-        if mlp is None or mlp.fc2.target != spec["fc2"]:
-            raise PartitionError(f"MLP pieces name {fc1_name!r} -> {spec['fc2']!r}, which is not an MLP of this "
-                                 "graph (two nn.Linear calls joined by elementwise ops); the plan was made "
-                                 "for another model or trace")
+        if mlp is None or mlp.fc2.target != spec["fc2"] or list(mlp.norms) != spec.get("norms", []):
+            raise PartitionError(f"MLP pieces name {fc1_name!r} -> {spec['fc2']!r} (norms {spec.get('norms', [])}), "
+                                 "which is not an MLP of this graph (two nn.Linear or nn.ConvNd calls joined by "
+                                 "elementwise ops or BatchNorms); the plan was made for another model or trace")
         fc1, fc2 = gm.get_submodule(fc1_name), gm.get_submodule(spec["fc2"])
-        bounds = spec["hidden"]
-        if bounds[0] != 0 or bounds[-1] != fc1.out_features or any(b <= a for a, b in zip(bounds, bounds[1:])):
-            raise PartitionError(f"hidden boundaries {bounds} do not cut {fc1_name!r} ({fc1.out_features} "
+        bounds, hidden = spec["hidden"], _width(fc1, 0)
+        if bounds[0] != 0 or bounds[-1] != hidden or any(b <= a for a, b in zip(bounds, bounds[1:])):
+            raise PartitionError(f"hidden boundaries {bounds} do not cut {fc1_name!r} ({hidden} "
                                  "hidden units) into increasing pieces from 0")
+        dim = -1 if type(fc1) is nn.Linear else 1  # where a layer's units are in its output
         total = None
         with graph.inserting_before(mlp.fc2):
             for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
                 first = piece_module(fc1_name, i)
-                gm.add_submodule(first, _linear(fc1.weight[a:b], None if fc1.bias is None else fc1.bias[a:b], fc1))
+                gm.add_submodule(first, _layer_piece(fc1, a, b, rows=True, bias=True))
                 last = piece_module(spec["fc2"], i)
-                gm.add_submodule(last, _linear(fc2.weight[:, a:b], fc2.bias if i == 0 else None, fc2))
-                share = (b - a) / fc1.out_features
+                gm.add_submodule(last, _layer_piece(fc2, a, b, rows=False, bias=i == 0))
+                share = (b - a) / hidden
                 node = graph.call_module(first, mlp.fc1.args)
                 node.meta.update(mlp.fc1.meta)
-                node.meta.update({"val": _with_width(value_of(mlp.fc1), b - a), MODULE_KEY: first,
+                node.meta.update({"val": _with_width(value_of(mlp.fc1), b - a, dim), MODULE_KEY: first,
                                   PIECE_OF: (mlp.fc1.name, share)})
                 for op in mlp.chain:
                     prev = node
                     node = graph.node_copy(op, lambda n: prev)  # noqa: B023 - called at once
-                    node.meta.update({"val": _with_width(value_of(op), b - a), PIECE_OF: (op.name, share)})
+                    node.meta.update({"val": _with_width(value_of(op), b - a, dim), PIECE_OF: (op.name, share)})
+                    if op.op == "call_module" and op.target in mlp.norms:
+                        node.target = piece_module(op.target, i)
+                        gm.add_submodule(node.target, _norm_piece(gm.get_submodule(op.target), a, b))
+                        node.meta[MODULE_KEY] = node.target
                 partial = graph.call_module(last, (node,))
                 partial.meta.update(mlp.fc2.meta)
                 partial.meta.update({MODULE_KEY: last, PIECE_OF: (mlp.fc2.name, share)})
@@ -301,7 +295,7 @@ def coarse_pieces(fine: Pieces, stage_of: Mapping[str, int], gm: fx.GraphModule)
     """
     node_of = {n.target: n.name for n in gm.graph.nodes if n.op == "call_module"}
     out = {}
-    for fc1, spec in _normalise(fine).items():
+    for fc1, spec in normalise(fine).items():
         bounds = spec["hidden"]
         stages = [stage_of[node_of[piece_module(spec["fc2"], i)]] for i in range(len(bounds) - 1)]
         firsts = [stage_of[node_of[piece_module(fc1, i)]] for i in range(len(bounds) - 1)]
@@ -309,7 +303,7 @@ def coarse_pieces(fine: Pieces, stage_of: Mapping[str, int], gm: fx.GraphModule)
             continue
         kept = [0] + [bounds[i] for i in range(1, len(stages)) if stages[i] != stages[i - 1]] + [bounds[-1]]
         if len(kept) > 2:
-            out[fc1] = {"fc2": spec["fc2"], "hidden": kept}
+            out[fc1] = {**spec, "hidden": kept}
     return out
 
 

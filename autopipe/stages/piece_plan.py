@@ -61,10 +61,10 @@ def _with_mlp_pieces(traced: TracedModel, plan: PartitionPlan, args: dict[str, A
 
     fine = {}
     for mlp in pieces.find_mlps(traced.gm):
-        hidden = traced.gm.get_submodule(mlp.fc1.target).out_features
+        hidden = mlp.hidden(traced.gm)
         k = pieces.pieces_for(sum(seconds(n.name) for n in (mlp.fc1, *mlp.chain, mlp.fc2)), hidden, granule)
         if k > 1:
-            fine[mlp.fc1.target] = {"fc2": mlp.fc2.target, "hidden": pieces.fine_hidden(hidden, k)}
+            fine[mlp.fc1.target] = mlp.spec(pieces.fine_hidden(hidden, k))
     if not fine:
         return plan
     # Where the boundaries would go if cutting were free: each piece takes its share of the

@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.api import CheckpointException as DCPException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..errors import CheckpointError
-from ..stages.mlp_pieces import PieceParam
+from ..stages.piece_state import PieceParam
 from .checkpoint import (EXTRA, FORMAT, LATEST, MANIFEST, PREFIX, describe, latest_name, param_names, quiet,
                          state_entries)
 from .checkpoint_files import VerifyingReader, verify

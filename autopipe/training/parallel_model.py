@@ -23,7 +23,7 @@ from ..failure.monitor import FailureMonitor, synced, wait_works
 from ..failure.objects import all_gather_objects
 from ..partition.plan import PartitionPlan
 from ..runtime.timeline import Timeline
-from ..stages.mlp_pieces import merge_pieces
+from ..stages.piece_state import merge_pieces
 from .checkpoint import save_checkpoint
 from .checkpoint_load import load_checkpoint
 from .gradients import average_gradients, clip_gradients, global_grad_norm, reduce_sequence_parallel_grads

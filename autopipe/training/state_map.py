@@ -14,7 +14,7 @@ import torch.nn as nn
 from ..errors import CheckpointError
 from ..shard.plan import ParamShard, SplitFn
 from ..shard.state import gather_shards, shard_tensor
-from ..stages.mlp_pieces import PieceParam, piece_params
+from ..stages.piece_state import PieceParam, piece_params
 
 __all__ = ["StateEntry", "state_map", "stage_map", "local_full_state", "load_local_state"]
 
