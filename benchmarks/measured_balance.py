@@ -73,7 +73,7 @@ def _imbalance(times: list[float]) -> float:
 
 def run_case(name: str, traced: Any, mb: int, mode: str, layouts: tuple, reps: int, plans: set[str],
              device: str = "cuda", profiles: dict | None = None, retimes: int = 3,
-             on_row: Any = None, keep: str | None = None) -> list[dict[str, Any]]:
+             on_row: Any = None, keep: str | None = None, split_mlps: bool | str = True) -> list[dict[str, Any]]:
     setup = RunSetup(torch.device(device), mode, torch.bfloat16, reps=reps)
     rows: list[dict[str, Any]] = []
     cache = ProfileCache(tempfile.mkdtemp(prefix="autopipe-bench-"))
@@ -97,7 +97,7 @@ def run_case(name: str, traced: Any, mb: int, mode: str, layouts: tuple, reps: i
     profiles = {"uncalibrated": dataclasses.replace(gpu, calibration=None),
                 "analytic": calibrated}
     for pp, chunks in layouts:
-        args = dict(pp=pp, chunks=chunks, microbatches=2 * pp, activation_dtype=torch.bfloat16,
+        args = dict(pp=pp, chunks=chunks, microbatches=2 * pp, activation_dtype=torch.bfloat16, split_mlps=split_mlps,
                     schedule="1f1b" if chunks == 1 else "interleaved_1f1b")
         row = dict(base, pp=pp, chunks=chunks)
         if measured is not None:  # the best any cut between whole nodes reaches, by the profile's times
@@ -205,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
                              "on GPUs; see benchmarks/channels_last.py)")
     parser.add_argument("--profiles", metavar="DIR",
                         help="also keep each profile there, as MODEL-MB-MODE.json (autopipe report --profile reads it)")
+    parser.add_argument("--split-convolutions", action="store_true",
+                        help="let boundaries fall inside convolutions too (split_mlps=\"convolutions\")")
     parser.add_argument("--calibration-rows", metavar="PATH",
                         help="also write the profiles' node times as rows for calibrate_device.py fit")
     args = parser.parse_args(argv)
@@ -239,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     rows += run_case(name, traced, mb, mode, layouts, args.reps, set(args.plans.split(",")),
                                      args.device, profiles, args.retimes, keep=args.profiles,
+                                     split_mlps="convolutions" if args.split_convolutions else True,
                                      on_row=lambda row, kept=pending, done=rows: (kept.append(row), save(done + kept)))
                 except Exception as e:  # one case's failure is reported, and the others still run
                     traceback.print_exc()

@@ -44,9 +44,9 @@ def resnet18(momentum: float | None = 0.1) -> nn.Module:
     return model
 
 
-def batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(step: int, size: int, image: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(size, 3, 32, 32, generator=g, dtype=DTYPE), torch.randint(0, 10, (size,), generator=g)
+    return torch.randn(size, 3, image, image, generator=g, dtype=DTYPE), torch.randint(0, 10, (size,), generator=g)
 
 
 def _loss(out: Any, y: torch.Tensor) -> torch.Tensor:
@@ -58,7 +58,7 @@ def _sgd(params: Any) -> torch.optim.Optimizer:
 
 
 def reference(model: nn.Module, size: int, groups: Sequence[Sequence[int]] | None, steps: int = STEPS,
-              per_step_updates: int = 1) -> nn.Module:
+              per_step_updates: int = 1, image: int = 32) -> nn.Module:
     """See the module docstring; ``groups=None``: plain training on the whole batch.
     ``per_step_updates``: batches of ``size`` accumulated per optimizer step (no_sync)."""
     model.train()
@@ -67,7 +67,7 @@ def reference(model: nn.Module, size: int, groups: Sequence[Sequence[int]] | Non
     for step in range(steps):
         optimizer.zero_grad()
         for part in range(per_step_updates):
-            x, y = batch(step * per_step_updates + part, size)
+            x, y = batch(step * per_step_updates + part, size, image)
             if groups is None:
                 (_loss(model(x), y) / per_step_updates).backward()
                 continue
@@ -133,11 +133,11 @@ def check(result: dict, what: str) -> None:
 
 
 def train(pm: Any, size: int, steps: int = STEPS, first: int = 0, dp_rank: int = 0, dp: int = 1,
-          optimizer: torch.optim.Optimizer | None = None) -> None:
+          optimizer: torch.optim.Optimizer | None = None, image: int = 32) -> None:
     pm.train()
     optimizer = optimizer or _sgd(pm.parameters())
     for step in range(first, first + steps):
-        x, y = batch(step, size)
+        x, y = batch(step, size, image)
         local = slice(dp_rank * size // dp, (dp_rank + 1) * size // dp)
         optimizer.zero_grad()
         pm.train_step(x[local], y[local])

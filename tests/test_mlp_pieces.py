@@ -236,7 +236,7 @@ def test_boundary_moves_keep_a_plan_in_mlp_pieces(monkeypatch):
     from autopipe.measure import MeasureOptions, RunSetup, measured_plan
     from autopipe.partition.measured import MeasuredCosts, Segment, fingerprint
     from autopipe.partition.partitioner import analytic_seconds
-    from autopipe.stages.mlp_pieces import PARTIAL_SUM, PIECE_OF
+    from autopipe.stages.mlp_pieces import JOIN, PIECE_OF
 
     traced = trace(_model(mlp_ratio=CUT_RATIO), (_x(),))
     order = [n.name for n in traced.gm.graph.nodes if n.op != "output"]
@@ -247,7 +247,7 @@ def test_boundary_moves_keep_a_plan_in_mlp_pieces(monkeypatch):
     weight = {n: 1.0 + 1.5 * k / len(order) for k, n in enumerate(order)}  # later nodes slower than profiled
 
     def true(plan):
-        share = {n.name: n.meta.get(PIECE_OF, (n.name, 0.0 if n.meta.get(PARTIAL_SUM) else 1.0))
+        share = {n.name: n.meta.get(PIECE_OF, (n.name, 0.0 if n.meta.get(JOIN) else 1.0))
                  for n in (cut_mlps(traced, plan.mlp_pieces) if plan.mlp_pieces else traced).gm.graph.nodes}
         return [sum(share[n][1] * base.get(share[n][0], 0.0) * weight.get(share[n][0], 1.0) for n in s.nodes)
                 for s in plan.stages]

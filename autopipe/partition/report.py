@@ -182,7 +182,7 @@ def format_table(plan: PartitionPlan) -> str:
 
 def _pieces_lines(plan: PartitionPlan) -> list[str]:
     """One line per MLP a boundary falls inside: its pieces of hidden units."""
-    return [f"MLP cut across stages: {fc1} -> {spec['fc2']}, hidden units "
+    return [f"MLP cut across stages: {fc1} -> {spec['fc2'] or 'concatenated'}, hidden units "
             + " | ".join(f"{a}:{b}" for a, b in zip(spec["hidden"], spec["hidden"][1:]))
             for fc1, spec in sorted(plan.mlp_pieces.items())]
 

@@ -49,10 +49,11 @@ from ..tracer import TracedModel
 from .piece_state import NORM_ROWS, Pieces, normalise, piece_module
 
 __all__ = ["Mlp", "find_mlps", "cut_mlps", "fine_hidden", "coarse_pieces", "pieces_for", "piece_seconds",
-           "PIECES_META", "PARTIAL_SUM", "PIECE_OF"]
+           "PIECES_META", "JOIN", "PIECE", "PIECE_OF"]
 
 PIECES_META = "autopipe_mlp_pieces"  # on a split GraphModule: the pieces it was cut into
-PARTIAL_SUM = "autopipe_partial_sum"  # on the nodes adding the pieces' partial outputs
+JOIN = "autopipe_pieces_join"  # on the nodes joining the pieces: adding partial sums, or concatenating
+PIECE = "autopipe_piece"  # on a piece's nodes: (the MLP's fc1, the piece's index)
 PIECE_OF = "autopipe_piece_of"  # on a piece's nodes: (the unsplit node's name, its share of the work)
 HIDDEN_ALIGN = 8  # piece boundaries are multiples of this many hidden units
 MAX_PIECES = 8
@@ -67,16 +68,22 @@ WIDTHS = {nn.Linear: ("out_features", "in_features"), nn.Conv1d: ("out_channels"
 @dataclass(frozen=True)
 class Mlp:
     """Two layers of one type (nn.Linear, or nn.ConvNd with groups=1) joined by a chain of
-    elementwise ops, and for convolutions BatchNorms (each the only user of the last)."""
+    elementwise ops, and for convolutions BatchNorms and pooling (each the only user of the
+    last); or a run: a convolution and such a chain with no second layer (``fc2`` None)."""
 
     fc1: fx.Node
     chain: tuple[fx.Node, ...]
-    fc2: fx.Node
+    fc2: fx.Node | None
     norms: tuple[str, ...] = ()  # the chain's BatchNorm modules, cut by channel too
+
+    @property
+    def nodes(self) -> tuple[fx.Node, ...]:
+        """Its nodes in graph order."""
+        return (self.fc1, *self.chain) + ((self.fc2,) if self.fc2 is not None else ())
 
     def spec(self, hidden: list[int]) -> dict[str, Any]:
         """The pieces spec (``PartitionPlan.mlp_pieces`` value) cutting this MLP at ``hidden``."""
-        out: dict[str, Any] = {"fc2": self.fc2.target, "hidden": hidden}
+        out: dict[str, Any] = {"fc2": self.fc2.target if self.fc2 is not None else None, "hidden": hidden}
         return {**out, "norms": list(self.norms)} if self.norms else out
 
     def hidden(self, gm: fx.GraphModule) -> int:
@@ -111,15 +118,37 @@ def _is_channel_norm(node: fx.Node, gm: fx.GraphModule, width: int) -> bool:
             and not any(True for c in m.children() for _ in c.state_dict()))
 
 
+POOLS: tuple[type, ...] = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)
+
+
+def _channel_op(node: fx.Node, source: fx.Node, gm: fx.GraphModule, conv: bool, width: int) -> bool:
+    """Whether ``node`` acts on each of ``source``'s channels (units) alone: an elementwise op on
+    that one tensor; after a convolution also a BatchNorm, or pooling (shapes as the input's
+    but the spatial ones)."""
+    out, inp = value_of(node), value_of(source)
+    if not (isinstance(out, torch.Tensor) and _sole_tensor_input(node) is source):
+        return False
+    if ops.is_elementwise(node, gm) and not ops.is_samplewise(node, gm):
+        return tuple(out.shape) == tuple(inp.shape)
+    if not conv or node.op != "call_module" or len(node.args) != 1 or node.kwargs:
+        return False
+    m = gm.get_submodule(node.target)
+    if type(m) in POOLS:
+        return out.dim() == inp.dim() and tuple(out.shape[:2]) == tuple(inp.shape[:2])
+    return _is_channel_norm(node, gm, width) and tuple(out.shape) == tuple(inp.shape)
+
+
 def find_mlps(gm: fx.GraphModule) -> list[Mlp]:
-    """Every fc1 -> chain -> fc2 that can be cut by hidden unit.
+    """Every fc1 -> chain -> fc2 that can be cut by hidden unit, and every run of a convolution
+    and a chain that can be cut by channel.
 
     fc1 and fc2 are layers of one type (nn.Linear, or nn.ConvNd with groups=1), each its
     module's only call with one input; each node from fc1 up to fc2 has a single user, the
-    next; the chain's ops are elementwise on that one tensor (activations, dropout, arithmetic
-    with constants) or, between convolutions, BatchNorms; fc2 reads fc1's width. MLPs share no
-    layer: in a stack (Linear, GELU, Linear, GELU, Linear) the first pair is one, the third
-    linear alone is none.
+    next; the chain's ops act on each unit alone (``_channel_op``: elementwise ops, and after
+    a convolution BatchNorms called once and pooling); fc2 reads fc1's width. A convolution
+    whose chain reaches no such fc2 makes a run of itself and its chain. MLPs share no layer:
+    in a stack (Linear, GELU, Linear, GELU, Linear) the first pair is one, the third linear
+    alone is none.
     """
     calls: dict[str, int] = {}
     for n in gm.graph.nodes:
@@ -131,28 +160,29 @@ def find_mlps(gm: fx.GraphModule) -> list[Mlp]:
         first = _layer(fc1, gm)
         if first is None or calls[fc1.target] != 1 or len(fc1.args) != 1 or fc1.kwargs or fc1 in taken:
             continue
-        hidden = _width(first, 0)
-        chain, node = [], fc1
+        hidden, conv = _width(first, 0), type(first) is not nn.Linear
+        if hidden < 2 * HIDDEN_ALIGN:
+            continue
+        chain, node, fc2 = [], fc1, None
         while len(node.users) == 1:
             nxt = next(iter(node.users))
             second = _layer(nxt, gm)
             if second is not None:
-                ok = (type(second) is type(first) and calls[nxt.target] == 1 and len(nxt.args) == 1
-                      and not nxt.kwargs and nxt.args[0] is node and _width(second, 1) == hidden
-                      and hidden >= 2 * HIDDEN_ALIGN)
-                if ok:
-                    norms = tuple(c.target for c in chain if not ops.is_elementwise(c, gm))
-                    found.append(Mlp(fc1, tuple(chain), nxt, norms))
-                    taken.update((fc1, nxt))
+                if (type(second) is type(first) and calls[nxt.target] == 1 and len(nxt.args) == 1
+                        and not nxt.kwargs and nxt.args[0] is node and _width(second, 1) == hidden):
+                    fc2 = nxt
                 break
-            out = value_of(nxt)
-            norm = type(first) is not nn.Linear and _is_channel_norm(nxt, gm, hidden) and calls[nxt.target] == 1
-            if not ((norm or (ops.is_elementwise(nxt, gm) and not ops.is_samplewise(nxt, gm)))
-                    and _sole_tensor_input(nxt) is node
-                    and isinstance(out, torch.Tensor) and tuple(out.shape) == tuple(value_of(node).shape)):
+            if not _channel_op(nxt, node, gm, conv, hidden):
                 break
+            if _is_channel_norm(nxt, gm, hidden) and calls[nxt.target] != 1:
+                break  # a norm called twice would be cut for one call only
             chain.append(nxt)
             node = nxt
+        if fc2 is not None or conv:
+            norms = tuple(c.target for c in chain if c.op == "call_module"
+                          and isinstance(gm.get_submodule(c.target), nn.modules.batchnorm._BatchNorm))
+            found.append(Mlp(fc1, tuple(chain), fc2, norms))
+            taken.update(n for n in (fc1, fc2) if n is not None)
     return found
 
 
@@ -217,6 +247,58 @@ def _with_width(value: torch.Tensor, width: int, dim: int) -> torch.Tensor:
     return torch.empty(shape, dtype=value.dtype, device="meta", memory_format=layout)
 
 
+def _chain_piece(gm: fx.GraphModule, mlp: Mlp, i: int, a: int, b: int) -> fx.Node:
+    """Piece ``i`` (hidden units [a, b)) of fc1 and the chain after it, inserted at the graph's
+    insertion point; returns its last node."""
+    fc1 = gm.get_submodule(mlp.fc1.target)
+    dim = -1 if type(fc1) is nn.Linear else 1  # where a layer's units are in its output
+    share = (b - a) / mlp.hidden(gm)
+    first = piece_module(mlp.fc1.target, i)
+    gm.add_submodule(first, _layer_piece(fc1, a, b, rows=True, bias=True))
+    node = gm.graph.call_module(first, mlp.fc1.args)
+    node.meta.update(mlp.fc1.meta)
+    node.meta.update({"val": _with_width(value_of(mlp.fc1), b - a, dim), MODULE_KEY: first,
+                      PIECE_OF: (mlp.fc1.name, share), PIECE: (mlp.fc1.target, i)})
+    for op in mlp.chain:
+        prev = node
+        node = gm.graph.node_copy(op, lambda n: prev)  # noqa: B023 - called at once
+        node.meta.update({"val": _with_width(value_of(op), b - a, dim), PIECE_OF: (op.name, share),
+                          PIECE: (mlp.fc1.target, i)})
+        if op.op == "call_module" and op.target in mlp.norms:
+            node.target = piece_module(op.target, i)
+            gm.add_submodule(node.target, _norm_piece(gm.get_submodule(op.target), a, b))
+            node.meta[MODULE_KEY] = node.target
+    return node
+
+
+def _cut(gm: fx.GraphModule, mlp: Mlp, bounds: list[int]) -> None:
+    """Replace ``mlp`` in ``gm`` by its pieces at ``bounds``, added up (a pair of layers) or
+    concatenated (a run)."""
+    graph, end = gm.graph, mlp.nodes[-1]
+    pieces: list[fx.Node] = []
+    with graph.inserting_before(end):
+        for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            node = _chain_piece(gm, mlp, i, a, b)
+            if mlp.fc2 is not None:  # fc2's columns [a, b): a partial sum of its output, added at once
+                last = piece_module(mlp.fc2.target, i)
+                gm.add_submodule(last, _layer_piece(gm.get_submodule(mlp.fc2.target), a, b, rows=False, bias=i == 0))
+                node = graph.call_module(last, (node,))
+                node.meta.update(mlp.fc2.meta)
+                node.meta.update({MODULE_KEY: last, PIECE_OF: (mlp.fc2.name, (b - a) / bounds[-1]),
+                                  PIECE: (mlp.fc1.target, i)})
+                if pieces:  # a boundary between pieces carries one running sum
+                    node = graph.call_function(operator.add, (pieces.pop(), node))
+                    node.meta.update({**end.meta, JOIN: True})
+            pieces.append(node)
+        joined = pieces[0]
+        if mlp.fc2 is None:
+            joined = graph.call_function(torch.cat, (pieces,), {"dim": 1})
+            joined.meta.update({**end.meta, JOIN: True})
+    end.replace_all_uses_with(joined)
+    for node in reversed(mlp.nodes):
+        graph.erase_node(node)
+
+
 def cut_mlps(traced: TracedModel, pieces: Pieces) -> TracedModel:
     """``traced`` with each MLP in ``pieces`` cut at its hidden boundaries; see [Note: MLP pieces].
 
@@ -236,50 +318,18 @@ def cut_mlps(traced: TracedModel, pieces: Pieces) -> TracedModel:
     keep_buffer_persistence(gm, traced.gm)
     gm.meta.update(traced.gm.meta)
     mlps = {m.fc1.target: m for m in find_mlps(gm)}
-    graph = gm.graph
     for fc1_name, spec in wanted.items():
         mlp = mlps.get(fc1_name)
-        if mlp is None or mlp.fc2.target != spec["fc2"] or list(mlp.norms) != spec.get("norms", []):
+        if mlp is None or mlp.spec(spec["hidden"]) != spec:
             raise PartitionError(f"MLP pieces name {fc1_name!r} -> {spec['fc2']!r} (norms {spec.get('norms', [])}), "
                                  "which is not an MLP of this graph (two nn.Linear or nn.ConvNd calls joined by "
-                                 "elementwise ops or BatchNorms); the plan was made for another model or trace")
-        fc1, fc2 = gm.get_submodule(fc1_name), gm.get_submodule(spec["fc2"])
-        bounds, hidden = spec["hidden"], _width(fc1, 0)
+                                 "elementwise ops or BatchNorms, or a convolution and such ops); the plan was made "
+                                 "for another model or trace")
+        bounds, hidden = spec["hidden"], mlp.hidden(gm)
         if bounds[0] != 0 or bounds[-1] != hidden or any(b <= a for a, b in zip(bounds, bounds[1:])):
             raise PartitionError(f"hidden boundaries {bounds} do not cut {fc1_name!r} ({hidden} "
                                  "hidden units) into increasing pieces from 0")
-        dim = -1 if type(fc1) is nn.Linear else 1  # where a layer's units are in its output
-        total = None
-        with graph.inserting_before(mlp.fc2):
-            for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
-                first = piece_module(fc1_name, i)
-                gm.add_submodule(first, _layer_piece(fc1, a, b, rows=True, bias=True))
-                last = piece_module(spec["fc2"], i)
-                gm.add_submodule(last, _layer_piece(fc2, a, b, rows=False, bias=i == 0))
-                share = (b - a) / hidden
-                node = graph.call_module(first, mlp.fc1.args)
-                node.meta.update(mlp.fc1.meta)
-                node.meta.update({"val": _with_width(value_of(mlp.fc1), b - a, dim), MODULE_KEY: first,
-                                  PIECE_OF: (mlp.fc1.name, share)})
-                for op in mlp.chain:
-                    prev = node
-                    node = graph.node_copy(op, lambda n: prev)  # noqa: B023 - called at once
-                    node.meta.update({"val": _with_width(value_of(op), b - a, dim), PIECE_OF: (op.name, share)})
-                    if op.op == "call_module" and op.target in mlp.norms:
-                        node.target = piece_module(op.target, i)
-                        gm.add_submodule(node.target, _norm_piece(gm.get_submodule(op.target), a, b))
-                        node.meta[MODULE_KEY] = node.target
-                partial = graph.call_module(last, (node,))
-                partial.meta.update(mlp.fc2.meta)
-                partial.meta.update({MODULE_KEY: last, PIECE_OF: (mlp.fc2.name, share)})
-                if total is not None:
-                    partial = graph.call_function(operator.add, (total, partial))
-                    partial.meta.update(mlp.fc2.meta)
-                    partial.meta[PARTIAL_SUM] = True
-                total = partial
-        mlp.fc2.replace_all_uses_with(total)
-        for node in (mlp.fc2, *reversed(mlp.chain), mlp.fc1):
-            graph.erase_node(node)
+        _cut(gm, mlp, bounds)
     gm.recompile()
     gm.delete_all_unused_submodules()
     gm.meta[PIECES_META] = wanted
@@ -291,14 +341,19 @@ def coarse_pieces(fine: Pieces, stage_of: Mapping[str, int], gm: fx.GraphModule)
     """The fine pieces merged to one piece per stage; MLPs that fell in one stage are dropped.
 
     ``stage_of`` maps the node names of ``gm``, the graph cut at ``fine``, to stages. A piece
-    counts as in the stage of its fc2 part, where its partial sum joins the rest.
+    counts as in the stage of its last node (fc2's part, where its partial sum joins the rest).
     """
-    node_of = {n.target: n.name for n in gm.graph.nodes if n.op == "call_module"}
+    ends: dict[tuple[str, int], int] = {}  # (fc1, piece) -> the stage of its last node
+    starts: dict[tuple[str, int], int] = {}
+    for n in gm.graph.nodes:
+        if PIECE in n.meta:
+            ends[n.meta[PIECE]] = stage_of[n.name]
+            starts.setdefault(n.meta[PIECE], stage_of[n.name])
     out = {}
     for fc1, spec in normalise(fine).items():
         bounds = spec["hidden"]
-        stages = [stage_of[node_of[piece_module(spec["fc2"], i)]] for i in range(len(bounds) - 1)]
-        firsts = [stage_of[node_of[piece_module(fc1, i)]] for i in range(len(bounds) - 1)]
+        stages = [ends[(fc1, i)] for i in range(len(bounds) - 1)]
+        firsts = [starts[(fc1, i)] for i in range(len(bounds) - 1)]
         if len(set(stages) | set(firsts)) < 2:
             continue
         kept = [0] + [bounds[i] for i in range(1, len(stages)) if stages[i] != stages[i - 1]] + [bounds[-1]]
@@ -310,13 +365,13 @@ def coarse_pieces(fine: Pieces, stage_of: Mapping[str, int], gm: fx.GraphModule)
 def piece_seconds(split: TracedModel, seconds: Callable[[str], float], priced: Container[str]) -> dict[str, float]:
     """Seconds of the nodes of ``split`` (a graph cut into pieces) from those of the unsplit
     graph: a piece takes its share of its node's ``seconds``, the other nodes in ``priced``
-    their own; the partial sums, which no unsplit node was, are left out (to be priced
-    analytically)."""
+    their own; the joins (partial sums, concatenations), which no unsplit node was, are left
+    out (to be priced analytically)."""
     out = {}
     for node in split.gm.graph.nodes:
         if PIECE_OF in node.meta:
             whole, share = node.meta[PIECE_OF]
             out[node.name] = share * seconds(whole)
-        elif node.name in priced and not node.meta.get(PARTIAL_SUM):
+        elif node.name in priced and not node.meta.get(JOIN):
             out[node.name] = seconds(node.name)
     return out

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+import torch.nn as nn
+
 from ..errors import ConfigError, PartitionError
 from ..partition.measured import MeasuredCosts
 from ..partition.partitioner import analytic_seconds, partition
@@ -21,19 +23,26 @@ __all__ = ["plan_stages", "SPLIT_ABOVE", "GRANULE", "SPLIT_GAIN"]
 # again, and the MLPs a boundary fell inside are kept, merged to one piece per stage; the
 # graph with only those is balanced a last time (the cuts it took are still there). The pieces
 # are kept when the largest stage gets faster by at least SPLIT_GAIN; otherwise the node-level
-# plan stands.
+# plan stands. Convolutions are cut only when asked (split_mlps="convolutions"): priced at their
+# share of the whole, channel pieces on an H200 ran well over it (ResNet-50's stem in three
+# pieces, 128 images: 5.6 ms against 4.0), and plans cut in them were slower at their slowest
+# stage than plans cut between nodes (docs/benchmarks.md, "Convolutions cut by channel").
 SPLIT_ABOVE = 0.01
+SPLIT_MLPS = (True, False, "convolutions")  # what split_mlps may be
 GRANULE = 0.01
 SPLIT_GAIN = 0.002
 
 
-def plan_stages(traced: TracedModel, pp: int, chunks: int = 1, *, split_mlps: bool = True,
+def plan_stages(traced: TracedModel, pp: int, chunks: int = 1, *, split_mlps: bool | str = True,
                 **partition_args: Any) -> PartitionPlan:
     """Cut ``traced`` into ``pp * chunks`` stages: :func:`~autopipe.partition.partitioner.partition`
     (``partition_args`` as for it), then, with ``split_mlps`` (balance="cost", tp=1), a boundary
-    inside a large MLP where that balances better; the plan then names the graph with those MLPs
-    cut into pieces of hidden units (``plan.mlp_pieces``), which ``emit_stages`` builds. See
-    [Note: when MLP pieces are tried]."""
+    inside a large MLP of linears where that balances better, and with ``split_mlps="convolutions"``
+    inside convolutions too; the plan then names the graph with those cut into pieces
+    (``plan.mlp_pieces``), which ``emit_stages`` builds. See [Note: when MLP pieces are tried]."""
+    if split_mlps not in SPLIT_MLPS:
+        raise ConfigError(f"split_mlps={split_mlps!r}: use True (MLPs of linears), \"convolutions\" (also "
+                          "convolutions, by channel) or False")
     if traced.gm.meta.get(pieces.PIECES_META):
         raise ConfigError("partition() takes the traced model before any MLP pieces were cut; "
                           "pass the traced model itself (the plan names the pieces it needs)")
@@ -46,11 +55,11 @@ def plan_stages(traced: TracedModel, pp: int, chunks: int = 1, *, split_mlps: bo
     measured: MeasuredCosts | None = args.get("measured")
     if node_seconds is None and measured is not None:
         node_seconds = dict(measured.node_seconds)
-    return _with_mlp_pieces(traced, plan, args, node_seconds)
+    return _with_mlp_pieces(traced, plan, args, node_seconds, convolutions=split_mlps == "convolutions")
 
 
 def _with_mlp_pieces(traced: TracedModel, plan: PartitionPlan, args: dict[str, Any],
-                     node_seconds: Mapping[str, float] | None) -> PartitionPlan:
+                     node_seconds: Mapping[str, float] | None, convolutions: bool) -> PartitionPlan:
     modelled = analytic_seconds(traced, args.get("device", "h100"))
     granule = GRANULE * sum(s.compute_time for s in plan.stages) / plan.num_stages
 
@@ -61,8 +70,10 @@ def _with_mlp_pieces(traced: TracedModel, plan: PartitionPlan, args: dict[str, A
 
     fine = {}
     for mlp in pieces.find_mlps(traced.gm):
+        if not convolutions and not isinstance(traced.gm.get_submodule(mlp.fc1.target), nn.Linear):
+            continue
         hidden = mlp.hidden(traced.gm)
-        k = pieces.pieces_for(sum(seconds(n.name) for n in (mlp.fc1, *mlp.chain, mlp.fc2)), hidden, granule)
+        k = pieces.pieces_for(sum(seconds(n.name) for n in mlp.nodes), hidden, granule)
         if k > 1:
             fine[mlp.fc1.target] = mlp.spec(pieces.fine_hidden(hidden, k))
     if not fine:
@@ -73,7 +84,7 @@ def _with_mlp_pieces(traced: TracedModel, plan: PartitionPlan, args: dict[str, A
     args = {k: v for k, v in args.items() if k != "node_seconds"}  # priced here, piece by piece
     ideal = {}
     for node in fine_traced.gm.graph.nodes:
-        if node.meta.get(pieces.PARTIAL_SUM):
+        if node.meta.get(pieces.JOIN):
             ideal[node.name] = 0.0
         elif pieces.PIECE_OF in node.meta:
             whole, share = node.meta[pieces.PIECE_OF]

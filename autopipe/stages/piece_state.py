@@ -17,7 +17,8 @@ from ..errors import CheckpointError
 __all__ = ["Pieces", "PieceParam", "piece_module", "normalise", "piece_params", "merge_pieces", "take_piece",
            "NORM_ROWS"]
 
-Pieces = Mapping[str, Mapping[str, Any]]  # fc1 -> {"fc2": name, "hidden": boundaries[, "norms": names]}
+# fc1 -> {"fc2": name (None: a run, its pieces concatenated), "hidden": boundaries[, "norms": names]}
+Pieces = Mapping[str, Mapping[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ def normalise(pieces: Pieces) -> dict[str, dict[str, Any]]:
     """``pieces`` as plain sorted data, as plans store it."""
     out = {}
     for m, p in sorted(pieces.items()):
-        out[m] = {"fc2": str(p["fc2"]), "hidden": [int(b) for b in p["hidden"]]}
+        out[m] = {"fc2": None if p["fc2"] is None else str(p["fc2"]), "hidden": [int(b) for b in p["hidden"]]}
         if p.get("norms"):
             out[m]["norms"] = [str(n) for n in p["norms"]]
     return out
@@ -84,12 +85,14 @@ def piece_params(pieces: Pieces) -> dict[str, PieceParam]:
         for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
             out[f"{piece_module(fc1, i)}.weight"] = PieceParam(f"{fc1}.weight", 0, a, b)
             out[f"{piece_module(fc1, i)}.bias"] = PieceParam(f"{fc1}.bias", 0, a, b)
-            out[f"{piece_module(p['fc2'], i)}.weight"] = PieceParam(f"{p['fc2']}.weight", 1, a, b)
+            if p["fc2"] is not None:
+                out[f"{piece_module(p['fc2'], i)}.weight"] = PieceParam(f"{p['fc2']}.weight", 1, a, b)
             for norm in p.get("norms", ()):  # every piece counts the batches; piece 0's is kept
                 out.update({f"{piece_module(norm, i)}.{t}": PieceParam(f"{norm}.{t}", 0, a, b) for t in NORM_ROWS})
                 out[f"{piece_module(norm, i)}.num_batches_tracked"] = PieceParam(f"{norm}.num_batches_tracked",
                                                                                   None, 0, 0)
-        out[f"{piece_module(p['fc2'], 0)}.bias"] = PieceParam(f"{p['fc2']}.bias", None, 0, 0)
+        if p["fc2"] is not None:
+            out[f"{piece_module(p['fc2'], 0)}.bias"] = PieceParam(f"{p['fc2']}.bias", None, 0, 0)
     return out
 
 
