@@ -91,7 +91,7 @@ def test_a_cut_conv_pair_gives_the_same_outputs_gradients_and_statistics():
     assert sum(n.target is torch.cat for n in split.gm.graph.nodes) == 2
     x = batch(1, 4)[0]
     ref, out = traced.gm(x)[0], split.gm(x)[0]  # train(): batch statistics, running ones updated
-    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)  # fp64 sums in another order
     ref.square().sum().backward()
     out.square().sum().backward()
     grads = merge_pieces({k: p.grad for k, p in split.gm.named_parameters()}, PIECES)
@@ -104,7 +104,7 @@ def test_a_cut_conv_pair_gives_the_same_outputs_gradients_and_statistics():
     for k in want:
         torch.testing.assert_close(state[k], want[k], rtol=1e-12, atol=1e-12, msg=k)
     traced.gm.eval(), split.gm.eval()  # eval(): the running statistics, piece by piece
-    torch.testing.assert_close(split.gm(x), traced.gm(x), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(split.gm(x), traced.gm(x), rtol=1e-10, atol=1e-10)
     with pytest.raises(PartitionError, match="norms"):
         cut_mlps(traced, {"layer1.0.conv1": {"fc2": "layer1.0.conv2", "hidden": [0, 8, 64]}})
     with pytest.raises(PartitionError, match="'layer1.0.conv2'"):  # the pair's second layer, not a run
@@ -125,7 +125,7 @@ def test_the_partitioner_cuts_convolutions_when_that_balances_better():
         assert len({stage_of[n.name] for n in nodes if n.meta.get(PIECE, ("",))[0] == fc1}) > 1, fc1
     x = batch(2, 2)[0]
     out = run_chain(list(emit_stages(traced, plan).values()), x)
-    torch.testing.assert_close(out, traced.gm(x), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out, traced.gm(x), rtol=1e-10, atol=1e-10)  # 1.8e-12 seen on another CPU
     assert PartitionPlan.from_dict(plan.to_dict()).mlp_pieces == plan.mlp_pieces
     assert "MLP cut across stages: layer" in str(plan)
 
