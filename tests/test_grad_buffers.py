@@ -32,12 +32,33 @@ def test_gradients_lie_back_to_back_per_dtype_and_keep_what_they_held():
     assert flat_view([views[2]]) is not None and flat_view([views[2]]).dtype == torch.float64
 
 
+def test_gradients_keep_their_parameters_layout():
+    """A channels-last convolution weight gets a channels-last gradient view (autograd's layout
+    contract), which backward adds into where it lies and which stays part of the one buffer."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(4, 8, 3).to(memory_format=torch.channels_last)
+    weight = conv.weight
+    assert not weight.is_contiguous() and weight.is_contiguous(memory_format=torch.channels_last)
+    views = flat_gradients([weight, conv.bias])
+    assert views[0].stride() == weight.stride() and views[1].data_ptr() == views[0].data_ptr() + 4 * weight.numel()
+    weight.grad, conv.bias.grad = views
+    x = torch.randn(2, 4, 6, 6).to(memory_format=torch.channels_last)
+    conv(x).square().sum().backward()
+    assert weight.grad.data_ptr() == views[0].data_ptr() and weight.grad.stride() == weight.stride()
+    ref = nn.Conv2d(4, 8, 3)
+    ref.load_state_dict(conv.state_dict())
+    ref(x.contiguous()).square().sum().backward()
+    torch.testing.assert_close(weight.grad, ref.weight.grad)
+    whole = flat_view(views)
+    assert whole is not None and whole.numel() == weight.numel() + 8 and whole.data_ptr() == views[0].data_ptr()
+
+
 def test_gradients_not_back_to_back_are_not_one_tensor():
     views = flat_gradients(_params())
     assert flat_view([views[1], views[0]]) is None  # out of order
     assert flat_view([views[0], views[3]]) is None  # a gap between them
     assert flat_view([torch.zeros(3), torch.zeros(3)]) is None  # separate allocations
-    assert flat_view([views[0].t()]) is None  # not contiguous
+    assert flat_view([views[0][:, ::2]]) is None  # not dense (a transposed view is: it lies back to back)
     alone = torch.arange(6.0)
     assert torch.equal(flat_view([alone]), alone)
 

@@ -9,7 +9,10 @@ benchmarks/pipeline_trace_gpu.py --dp 2) the step's end took 6.6-10.5 ms of host
 1.2 ms of GPU work, the flatten and the views back 1.1-2.4 ms of it. Captured stages keep
 their ``.grad`` tensors for good (the graphs add into them), so they are made views of one
 buffer, in parameter order (``flat_gradients``), like DDP's ``gradient_as_bucket_view``: a
-bucket of them is one tensor already, and is divided and all-reduced where it lies.
+bucket of them is one tensor already, and is divided and all-reduced where it lies. Each view
+has its parameter's strides (a channels-last convolution weight gets a channels-last gradient),
+as autograd's gradient layout contract asks: a gradient laid out otherwise is added into with
+mismatched strides at every backward, and torch warns that it "may impair performance".
 """
 from __future__ import annotations
 
@@ -17,12 +20,23 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["flat_gradients", "flat_view"]
+__all__ = ["flat_gradients", "flat_view", "dense"]
+
+
+def dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill ``t.numel()`` consecutive places of its storage, in some
+    order of its dimensions (plain contiguous, channels-last, or any permutation of them)."""
+    expected = 1
+    for stride, size in sorted((st, n) for st, n in zip(t.stride(), t.shape) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def flat_gradients(params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor]:
     """Zeroed gradient tensors for ``params`` that are consecutive views of one buffer per dtype,
-    in the order of ``params``, each holding the gradient its parameter had. Buckets of such
+    in the order of ``params``, each laid out as its parameter and holding the gradient it had. Buckets of such
     gradients are all-reduced in place ([Note: gradients as views of one buffer])."""
     views: list[torch.Tensor] = []
     offsets: dict[torch.dtype, int] = {}
@@ -32,7 +46,8 @@ def flat_gradients(params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor]:
     at = dict.fromkeys(offsets, 0)
     with torch.no_grad():
         for p in params:
-            view = flats[p.dtype][at[p.dtype]:at[p.dtype] + p.numel()].view_as(p)
+            view = flats[p.dtype][at[p.dtype]:at[p.dtype] + p.numel()]
+            view = view.as_strided(p.shape, p.stride()) if dense(p) else view.view_as(p)
             at[p.dtype] += p.numel()
             if p.grad is not None:
                 view.copy_(p.grad)
@@ -46,7 +61,7 @@ def flat_view(bucket: Sequence[torch.Tensor]) -> torch.Tensor | None:
     storage = first.untyped_storage()
     start = end = first.storage_offset()
     for g in bucket:
-        if not g.is_contiguous() or g.storage_offset() != end or g.untyped_storage().data_ptr() != storage.data_ptr():
+        if not dense(g) or g.storage_offset() != end or g.untyped_storage().data_ptr() != storage.data_ptr():
             return None
         end += g.numel()
     return first.new_empty(0).set_(storage, start, (end - start,))
