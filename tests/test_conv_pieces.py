@@ -127,7 +127,7 @@ def test_the_partitioner_cuts_convolutions_when_that_balances_better():
     out = run_chain(list(emit_stages(traced, plan).values()), x)
     torch.testing.assert_close(out, traced.gm(x), rtol=1e-10, atol=1e-10)  # 1.8e-12 seen on another CPU
     assert PartitionPlan.from_dict(plan.to_dict()).mlp_pieces == plan.mlp_pieces
-    assert "MLP cut across stages: layer" in str(plan)
+    assert "convolution cut across stages by channel: layer" in str(plan)
 
 
 # ----------------------------------------------------------------------------- on 2 processes

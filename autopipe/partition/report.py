@@ -181,10 +181,17 @@ def format_table(plan: PartitionPlan) -> str:
 
 
 def _pieces_lines(plan: PartitionPlan) -> list[str]:
-    """One line per MLP a boundary falls inside: its pieces of hidden units."""
-    return [f"MLP cut across stages: {fc1} -> {spec['fc2'] or 'concatenated'}, hidden units "
-            + " | ".join(f"{a}:{b}" for a, b in zip(spec["hidden"], spec["hidden"][1:]))
-            for fc1, spec in sorted(plan.mlp_pieces.items())]
+    """One line per MLP a boundary falls inside: its pieces of hidden units (channels, for
+    convolutions: a run of them, concatenated, or a pair with BatchNorms between)."""
+    lines = []
+    for fc1, spec in sorted(plan.mlp_pieces.items()):
+        cuts = " | ".join(f"{a}:{b}" for a, b in zip(spec["hidden"], spec["hidden"][1:]))
+        if spec["fc2"] is None or spec.get("norms"):
+            lines.append(f"convolution cut across stages by channel: {fc1} -> {spec['fc2'] or 'concatenated'}, "
+                         f"channels {cuts}")
+        else:
+            lines.append(f"MLP cut across stages: {fc1} -> {spec['fc2']}, hidden units {cuts}")
+    return lines
 
 
 def _in_flight(plan: PartitionPlan) -> int:
