@@ -20,12 +20,15 @@ partial outputs are added. A stage boundary between two pieces carries the MLP's
 partial sum so far; the stages split the parameters between them (nothing is replicated, no
 gradient is summed across stages), and only the additions of ``fc2``-sized partials are new
 work. Cutting by output rows with a ``torch.cat`` instead would copy fc1's 4x wider output.
+Where no second layer follows, a convolution and the per-channel ops after it (BatchNorm,
+elementwise ops, pooling: a ResNet stem's conv -> bn -> relu -> maxpool) make a *run*, cut
+the same way by output channel, its pieces joined by ``torch.cat`` on the channels ("fc2": None).
 
 ``plan_stages`` (piece_plan.py) tries it when a node-level plan is imbalanced (``split_mlps=True``,
 balance="cost", tp=1): it cuts every large MLP into fine pieces, balances, and keeps pieces only
 in the MLPs a boundary fell inside, one piece per stage (``PartitionPlan.mlp_pieces``: fc1 ->
-{"fc2": name, "hidden": boundaries}). Stage emission applies the same rewrite, so the plan's node
-names are the graph's.
+{"fc2": name, "hidden": boundaries}); convolutions only with ``split_mlps="convolutions"``.
+Stage emission applies the same rewrite, so the plan's node names are the graph's.
 
 State keeps the model's names outside the stages (piece_state.py).
 """
