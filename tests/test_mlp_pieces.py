@@ -268,3 +268,70 @@ def test_boundary_moves_keep_a_plan_in_mlp_pieces(monkeypatch):
     x = _x()
     out = run_chain(list(emit_stages(traced, plan).values()), x)
     torch.testing.assert_close(out[0], traced.gm(x)[0], rtol=1e-12, atol=1e-12)
+
+
+def _ratio(times):
+    return max(times) / (sum(times) / len(times))
+
+
+def test_the_loop_keeps_the_faster_of_plans_cut_into_different_pieces():
+    """Pieces add work, so the round of least max/mean need not be the fastest: where the two
+    rounds are cut into different pieces, the judge times both and the faster is kept."""
+    from autopipe.measure.closed_loop import refine
+
+    traced = trace(_model(mlp_ratio=CUT_RATIO), (_x(),))
+    pieces, plain = plan_stages(traced, 4, device="cpu"), partition(traced, 4, device="cpu")
+
+    def device(plan):  # the pieces run 40% over their price, in every stage
+        return [(1.4 if plan.mlp_pieces else 1.0) * s.compute_time for s in plan.stages]
+
+    assert _ratio(device(pieces)) < _ratio(device(plain)) and max(device(pieces)) > max(device(plain))
+    judged = []
+
+    def judge(a, b):
+        judged.append((a, b))
+        return a if max(device(a)) <= max(device(b)) else b
+
+    kwargs = dict(groups=1, planned=lambda p: [{0: s.compute_time} for s in p.stages], measure=device,
+                  replan=lambda factors: plain, target=1.0, rounds=1)
+    assert refine(pieces, **kwargs) is pieces  # without a judge: the least max/mean
+    kept = refine(pieces, judge=judge, **kwargs)
+    assert kept is plain and judged == [(pieces, plain)] and "judged" in kept.refinement[-1]
+    # Plans cut into the same pieces are not judged: their max/mean decides, as before.
+    judged.clear()
+    assert refine(pieces, **dict(kwargs, replan=lambda factors: pieces), judge=judge) is pieces and not judged
+
+
+def test_measured_plans_keep_the_faster_of_plans_cut_into_different_pieces(monkeypatch):
+    """Through measured_plan: the first plan is cut inside MLPs, the re-cut between nodes, and
+    on a device where pieces run 40% over their price the plan between nodes is kept, judged
+    in one paired timing."""
+    import autopipe.measure as measure
+    from autopipe.measure import MeasureOptions, RunSetup, measured_plan
+    from autopipe.partition.measured import MeasuredCosts, Segment, fingerprint
+    from autopipe.partition.partitioner import analytic_seconds
+
+    traced = trace(_model(mlp_ratio=CUT_RATIO), (_x(),))
+    order = [n.name for n in traced.gm.graph.nodes if n.op != "output"]
+    base = {k: v for k, v in analytic_seconds(traced, "cpu").items() if k != "output"}
+    measured = MeasuredCosts(fingerprint(traced.gm), [list(s) for s in traced.input_shapes], "float32", "eager",
+                             "cpu", torch.__version__, [Segment(0, len(order), sum(base.values()), 0.0)], base)
+    calls = []
+
+    def cut(traced_, **kwargs):  # the first plan in pieces, the re-cuts between nodes
+        calls.append(1)
+        return plan_stages(traced_, **dict(kwargs, split_mlps=len(calls) == 1))
+
+    def device(plan):
+        return [(1.4 if plan.mlp_pieces else 1.0) * s.compute_time for s in plan.stages]
+
+    paired = []
+    monkeypatch.setattr(measure, "plan_stages", cut)
+    monkeypatch.setattr(measure, "time_plan", lambda t, plan, s, group=None, stages=None: device(plan))
+    monkeypatch.setattr(measure, "_time_both", lambda t, p, q, s, scale: paired.append(1) or (device(p), device(q)))
+    plan = measured_plan(traced, RunSetup("cpu", reps=1, warmup=1), dict(pp=4, device="cpu"), measured=measured,
+                         options=MeasureOptions(rounds=1, moves=0, target=1.0))
+    rounds = [r for r in plan.refinement if "round" in r]
+    assert len(rounds) == 2 and rounds[0]["measured_imbalance"] < rounds[1]["measured_imbalance"]
+    assert not plan.mlp_pieces and paired == [1] and any("judged" in r for r in plan.refinement)
+    assert [s.measured_time for s in plan.stages] == pytest.approx(device(plan))
