@@ -20,10 +20,10 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["flat_gradients", "flat_view", "dense"]
+__all__ = ["flat_gradients", "flat_view"]
 
 
-def dense(t: torch.Tensor) -> bool:
+def _dense(t: torch.Tensor) -> bool:
     """Whether ``t``'s elements fill ``t.numel()`` consecutive places of its storage, in some
     order of its dimensions (plain contiguous, channels-last, or any permutation of them)."""
     expected = 1
@@ -47,7 +47,7 @@ def flat_gradients(params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor]:
     with torch.no_grad():
         for p in params:
             view = flats[p.dtype][at[p.dtype]:at[p.dtype] + p.numel()]
-            view = view.as_strided(p.shape, p.stride()) if dense(p) else view.view_as(p)
+            view = view.as_strided(p.shape, p.stride()) if _dense(p) else view.view_as(p)
             at[p.dtype] += p.numel()
             if p.grad is not None:
                 view.copy_(p.grad)
@@ -61,7 +61,7 @@ def flat_view(bucket: Sequence[torch.Tensor]) -> torch.Tensor | None:
     storage = first.untyped_storage()
     start = end = first.storage_offset()
     for g in bucket:
-        if not dense(g) or g.storage_offset() != end or g.untyped_storage().data_ptr() != storage.data_ptr():
+        if not _dense(g) or g.storage_offset() != end or g.untyped_storage().data_ptr() != storage.data_ptr():
             return None
         end += g.numel()
     return first.new_empty(0).set_(storage, start, (end - start,))

@@ -26,7 +26,7 @@ __all__ = ["plan_stages", "SPLIT_ABOVE", "GRANULE", "SPLIT_GAIN"]
 # plan stands. Convolutions are cut only when asked (split_mlps="convolutions"): priced at their
 # share of the whole, channel pieces on an H200 ran well over it (ResNet-50's stem in three
 # pieces, 128 images: 5.6 ms against 4.0), and plans cut in them were slower at their slowest
-# stage than plans cut between nodes (docs/benchmarks.md, "Convolutions cut by channel").
+# stage than plans cut between nodes (docs/benchmarks.md, "One GPU: convolutions cut by channel").
 SPLIT_ABOVE = 0.01
 SPLIT_MLPS = (True, False, "convolutions")  # what split_mlps may be
 GRANULE = 0.01
