@@ -127,7 +127,8 @@ def run_case(name: str, traced: Any, mb: int, mode: str, layouts: tuple, reps: i
                 "calibration_error": max(abs(p - t) / t for p, t in zip(predicted, times)),
                 "loop_rounds": sum("round" in r for r in plan.refinement),
                 "loop_moves": sum("move" in r for r in plan.refinement), "loop_seconds": loop_s,
-                "loop": plan.refinement, "mlp_pieces": bool(plan.mlp_pieces)}
+                "loop": plan.refinement, "mlp_pieces": plan.mlp_pieces,
+                "stage_starts": [s.nodes[0] for s in plan.stages]}
         row["host_pace"] = PACE.summary()  # the probes so far in this process ([Note: host pace])
         rows.append(row)
         _print_row(row)
@@ -156,6 +157,8 @@ def _print_row(row: dict[str, Any]) -> None:
     if "measured" in row:
         cells.append(f"calib err {row['measured']['calibration_error']:.3f}  floor {row['floor']:.3f}")
         cells.append(f"loop {row['measured']['loop_imbalance']:.3f}")
+        if row["measured"]["mlp_pieces"]:
+            cells.append("pieces " + ",".join(row["measured"]["mlp_pieces"]))
     pace = row.get("host_pace", {})
     if pace.get("timings"):
         cells.append(f"waited {pace['waited']}/{pace['timings']} short {pace['short']}")

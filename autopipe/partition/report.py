@@ -182,11 +182,15 @@ def format_table(plan: PartitionPlan) -> str:
 
 def _pieces_lines(plan: PartitionPlan) -> list[str]:
     """One line per MLP a boundary falls inside: its pieces of hidden units (channels, for
-    convolutions: a run of them, concatenated, or a pair with BatchNorms between)."""
+    convolutions: a run of them, concatenated, or a pair with BatchNorms between); and one per
+    pooling a boundary falls inside: its pieces of samples."""
     lines = []
     for fc1, spec in sorted(plan.mlp_pieces.items()):
-        cuts = " | ".join(f"{a}:{b}" for a, b in zip(spec["hidden"], spec["hidden"][1:]))
-        if spec["fc2"] is None or spec.get("norms"):
+        bounds = spec.get("samples", spec.get("hidden"))
+        cuts = " | ".join(f"{a}:{b}" for a, b in zip(bounds, bounds[1:]))
+        if "samples" in spec:
+            lines.append(f"pooling cut across stages by sample: {fc1}, samples {cuts}")
+        elif spec["fc2"] is None or spec.get("norms"):
             lines.append(f"convolution cut across stages by channel: {fc1} -> {spec['fc2'] or 'concatenated'}, "
                          f"channels {cuts}")
         else:

@@ -38,7 +38,7 @@ import copy
 import math
 import operator
 from dataclasses import dataclass
-from typing import Any, Callable, Container, Mapping
+from typing import Any, Callable, ClassVar, Container, Mapping
 
 import torch
 import torch.fx as fx
@@ -49,15 +49,13 @@ from ..graph import MODULE_KEY, keep_buffer_persistence, value_of
 from ..memory_format import channels_last_dense
 from ..shard import ops
 from ..tracer import TracedModel
+from . import sample_pieces
+from .piece_meta import JOIN, PIECE, PIECE_OF, PIECES_META, SAMPLES, bounds_of, with_bounds
 from .piece_state import NORM_ROWS, Pieces, normalise, piece_module
 
 __all__ = ["Mlp", "find_mlps", "cut_mlps", "fine_hidden", "coarse_pieces", "pieces_for", "piece_seconds",
            "PIECES_META", "JOIN", "PIECE", "PIECE_OF"]
 
-PIECES_META = "autopipe_mlp_pieces"  # on a split GraphModule: the pieces it was cut into
-JOIN = "autopipe_pieces_join"  # on the nodes joining the pieces: adding partial sums, or concatenating
-PIECE = "autopipe_piece"  # on a piece's nodes: (the MLP's fc1, the piece's index)
-PIECE_OF = "autopipe_piece_of"  # on a piece's nodes: (the unsplit node's name, its share of the work)
 HIDDEN_ALIGN = 8  # piece boundaries are multiples of this many hidden units
 MAX_PIECES = 8
 
@@ -78,6 +76,12 @@ class Mlp:
     chain: tuple[fx.Node, ...]
     fc2: fx.Node | None
     norms: tuple[str, ...] = ()  # the chain's BatchNorm modules, cut by channel too
+    align: ClassVar[int] = HIDDEN_ALIGN  # its pieces part on multiples of this many units
+
+    @property
+    def key(self) -> str:
+        """Its name in ``PartitionPlan.mlp_pieces``: fc1's module."""
+        return str(self.fc1.target)
 
     @property
     def nodes(self) -> tuple[fx.Node, ...]:
@@ -121,9 +125,6 @@ def _is_channel_norm(node: fx.Node, gm: fx.GraphModule, width: int) -> bool:
             and not any(True for c in m.children() for _ in c.state_dict()))
 
 
-POOLS: tuple[type, ...] = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)
-
-
 def _channel_op(node: fx.Node, source: fx.Node, gm: fx.GraphModule, conv: bool, width: int) -> bool:
     """Whether ``node`` acts on each of ``source``'s channels (units) alone: an elementwise op on
     that one tensor; after a convolution also a BatchNorm, or pooling (shapes as the input's
@@ -136,7 +137,7 @@ def _channel_op(node: fx.Node, source: fx.Node, gm: fx.GraphModule, conv: bool, 
     if not conv or node.op != "call_module" or len(node.args) != 1 or node.kwargs:
         return False
     m = gm.get_submodule(node.target)
-    if type(m) in POOLS:
+    if type(m) in sample_pieces.POOLS:
         return out.dim() == inp.dim() and tuple(out.shape[:2]) == tuple(inp.shape[:2])
     return _is_channel_norm(node, gm, width) and tuple(out.shape) == tuple(inp.shape)
 
@@ -189,18 +190,18 @@ def find_mlps(gm: fx.GraphModule) -> list[Mlp]:
     return found
 
 
-def fine_hidden(hidden: int, pieces: int) -> list[int]:
-    """Boundaries of about ``pieces`` equal pieces on multiples of HIDDEN_ALIGN units."""
-    pieces = max(1, min(pieces, MAX_PIECES, hidden // HIDDEN_ALIGN))
-    bounds = sorted({round(hidden * i / pieces / HIDDEN_ALIGN) * HIDDEN_ALIGN for i in range(pieces)} | {hidden})
+def fine_hidden(hidden: int, pieces: int, align: int = HIDDEN_ALIGN) -> list[int]:
+    """Boundaries of about ``pieces`` equal pieces on multiples of ``align`` units."""
+    pieces = max(1, min(pieces, MAX_PIECES, hidden // align))
+    bounds = sorted({round(hidden * i / pieces / align) * align for i in range(pieces)} | {hidden})
     return bounds if len(bounds) > 2 else [0, hidden]
 
 
-def pieces_for(seconds: float, hidden: int, granule: float) -> int:
+def pieces_for(seconds: float, hidden: int, granule: float, align: int = HIDDEN_ALIGN) -> int:
     """How many pieces make each about ``granule`` seconds (1 when the MLP is small already)."""
     if granule <= 0 or seconds <= 2 * granule:
         return 1
-    return min(MAX_PIECES, math.ceil(seconds / granule), hidden // HIDDEN_ALIGN)
+    return min(MAX_PIECES, math.ceil(seconds / granule), hidden // align)
 
 
 def _piece(like: nn.Module, tensors: Mapping[str, torch.Tensor | None], **widths: int) -> nn.Module:
@@ -322,6 +323,9 @@ def cut_mlps(traced: TracedModel, pieces: Pieces) -> TracedModel:
     gm.meta.update(traced.gm.meta)
     mlps = {m.fc1.target: m for m in find_mlps(gm)}
     for fc1_name, spec in wanted.items():
+        if SAMPLES in spec:  # a pooling cut by sample: see [Note: sample pieces]
+            sample_pieces.cut_pool(gm, fc1_name, spec[SAMPLES])
+            continue
         mlp = mlps.get(fc1_name)
         if mlp is None or mlp.spec(spec["hidden"]) != spec:
             raise PartitionError(f"MLP pieces name {fc1_name!r} -> {spec['fc2']!r} (norms {spec.get('norms', [])}), "
@@ -354,14 +358,14 @@ def coarse_pieces(fine: Pieces, stage_of: Mapping[str, int], gm: fx.GraphModule)
             starts.setdefault(n.meta[PIECE], stage_of[n.name])
     out = {}
     for fc1, spec in normalise(fine).items():
-        bounds = spec["hidden"]
+        bounds = bounds_of(spec)
         stages = [ends[(fc1, i)] for i in range(len(bounds) - 1)]
         firsts = [starts[(fc1, i)] for i in range(len(bounds) - 1)]
         if len(set(stages) | set(firsts)) < 2:
             continue
         kept = [0] + [bounds[i] for i in range(1, len(stages)) if stages[i] != stages[i - 1]] + [bounds[-1]]
         if len(kept) > 2:
-            out[fc1] = {**spec, "hidden": kept}
+            out[fc1] = with_bounds(spec, kept)
     return out
 
 

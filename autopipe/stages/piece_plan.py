@@ -13,6 +13,7 @@ from ..partition.partitioner import analytic_seconds, partition
 from ..partition.plan import PartitionPlan
 from ..tracer import TracedModel
 from . import mlp_pieces as pieces
+from . import sample_pieces
 
 __all__ = ["plan_stages", "SPLIT_ABOVE", "GRANULE", "SPLIT_GAIN"]
 
@@ -27,6 +28,9 @@ __all__ = ["plan_stages", "SPLIT_ABOVE", "GRANULE", "SPLIT_GAIN"]
 # share of the whole, channel pieces on an H200 ran well over it (ResNet-50's stem in three
 # pieces, 128 images: 5.6 ms against 4.0), and plans cut in them were slower at their slowest
 # stage than plans cut between nodes (docs/benchmarks.md, "One GPU: convolutions cut by channel").
+# A pooling slower than two granules is cut by sample the same way ([Note: sample pieces] in
+# sample_pieces.py), with MLPs of linears (split_mlps=True); a pooling inside a convolution's
+# run is cut with the run instead.
 SPLIT_ABOVE = 0.01
 SPLIT_MLPS = (True, False, "convolutions")  # what split_mlps may be
 GRANULE = 0.01
@@ -37,7 +41,8 @@ def plan_stages(traced: TracedModel, pp: int, chunks: int = 1, *, split_mlps: bo
                 **partition_args: Any) -> PartitionPlan:
     """Cut ``traced`` into ``pp * chunks`` stages: :func:`~autopipe.partition.partitioner.partition`
     (``partition_args`` as for it), then, with ``split_mlps`` (balance="cost", tp=1), a boundary
-    inside a large MLP of linears where that balances better, and with ``split_mlps="convolutions"``
+    inside a large MLP of linears or pooling (by sample) where that balances better, and with
+    ``split_mlps="convolutions"``
     inside convolutions too; the plan then names the graph with those cut into pieces
     (``plan.mlp_pieces``), which ``emit_stages`` builds. See [Note: when MLP pieces are tried]."""
     if split_mlps not in SPLIT_MLPS:
@@ -69,13 +74,16 @@ def _with_mlp_pieces(traced: TracedModel, plan: PartitionPlan, args: dict[str, A
         return modelled[name]
 
     fine = {}
-    for mlp in pieces.find_mlps(traced.gm):
-        if not convolutions and not isinstance(traced.gm.get_submodule(mlp.fc1.target), nn.Linear):
-            continue
-        hidden = mlp.hidden(traced.gm)
-        k = pieces.pieces_for(sum(seconds(n.name) for n in mlp.nodes), hidden, granule)
+    units: list[pieces.Mlp | sample_pieces.Pool] = [
+        m for m in pieces.find_mlps(traced.gm)
+        if convolutions or isinstance(traced.gm.get_submodule(m.fc1.target), nn.Linear)]
+    inside = {n for m in units for n in m.nodes}  # a pooling in a run of a convolution is cut with it
+    units += [p for p in sample_pieces.find_pools(traced.gm) if p.node not in inside]
+    for unit in units:
+        hidden = unit.hidden(traced.gm)
+        k = pieces.pieces_for(sum(seconds(n.name) for n in unit.nodes), hidden, granule, unit.align)
         if k > 1:
-            fine[mlp.fc1.target] = mlp.spec(pieces.fine_hidden(hidden, k))
+            fine[unit.key] = unit.spec(pieces.fine_hidden(hidden, k, unit.align))
     if not fine:
         return plan
     # Where the boundaries would go if cutting were free: each piece takes its share of the

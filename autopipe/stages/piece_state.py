@@ -13,11 +13,13 @@ from typing import Any, Mapping
 import torch
 
 from ..errors import CheckpointError
+from .piece_meta import SAMPLES
 
 __all__ = ["Pieces", "PieceParam", "piece_module", "normalise", "piece_params", "merge_pieces", "take_piece",
            "NORM_ROWS"]
 
-# fc1 -> {"fc2": name (None: a run, its pieces concatenated), "hidden": boundaries[, "norms": names]}
+# fc1 -> {"fc2": name (None: a run, its pieces concatenated), "hidden": boundaries[, "norms": names]},
+# or a pooling node -> {"samples": boundaries} (see piece_meta.py)
 Pieces = Mapping[str, Mapping[str, Any]]
 
 
@@ -66,8 +68,11 @@ def piece_module(module: str, i: int) -> str:
 
 def normalise(pieces: Pieces) -> dict[str, dict[str, Any]]:
     """``pieces`` as plain sorted data, as plans store it."""
-    out = {}
+    out: dict[str, dict[str, Any]] = {}
     for m, p in sorted(pieces.items()):
+        if SAMPLES in p:  # a pooling cut by sample
+            out[m] = {SAMPLES: [int(b) for b in p[SAMPLES]]}
+            continue
         out[m] = {"fc2": None if p["fc2"] is None else str(p["fc2"]), "hidden": [int(b) for b in p["hidden"]]}
         if p.get("norms"):
             out[m]["norms"] = [str(n) for n in p["norms"]]
@@ -81,6 +86,8 @@ def piece_params(pieces: Pieces) -> dict[str, PieceParam]:
     """Each piece's state_dict key -> where it sits in the model's tensor."""
     out = {}
     for fc1, p in normalise(pieces).items():
+        if SAMPLES in p:
+            continue  # pooling holds no state
         bounds = p["hidden"]
         for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
             out[f"{piece_module(fc1, i)}.weight"] = PieceParam(f"{fc1}.weight", 0, a, b)

@@ -1,0 +1,132 @@
+"""Pooling cut by sample across stages (stages/sample_pieces.py): a ResNet's stem max-pool split
+along the batch gives the model's values and gradients to the bit, the partitioner cuts it when
+that balances better, and training in two stages keeps the numbers of one process."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopipe
+from autopipe.errors import PartitionError
+from autopipe.measure import MeasureOptions, RunSetup
+from autopipe.measure.profile import profile_key
+from autopipe.partition.measured import MeasuredCosts, Segment
+from autopipe.partition.partitioner import analytic_seconds, partition
+from autopipe.partition.plan import PartitionPlan
+from autopipe.stages.emit import emit_stages, run_chain
+from autopipe.stages.mlp_pieces import JOIN, PIECE, PIECE_OF, cut_mlps
+from autopipe.stages.piece_plan import plan_stages
+from autopipe.stages.piece_state import merge_pieces, piece_params
+from autopipe.stages.sample_pieces import find_pools, scaled_bounds
+from autopipe.tracer import trace
+from tests.distributed import run_distributed
+from tests.models import logits
+from tests.test_batchnorm import _loss, _sgd, batch, excess, micro_batches, reference, resnet18, train
+
+BATCH, M, STEPS = 8, 2, 2
+POOL = {"maxpool": {"samples": [0, 1, 4]}}
+
+
+def _traced(n: int = 4):
+    return trace(resnet18(), (batch(0, n)[0],))
+
+
+def _heavy_pool(traced) -> dict[str, float]:
+    """Node seconds on which the stem's max-pool is three times the rest of the model: pp=2
+    balances only with a boundary inside it."""
+    seconds = {k: v for k, v in analytic_seconds(traced, "cpu").items() if k != "output"}
+    seconds["maxpool"] = 3 * sum(seconds.values())
+    return seconds
+
+
+def test_a_pool_cut_by_sample_gives_the_models_values_and_gradients_to_the_bit():
+    traced = _traced()
+    assert [p.key for p in find_pools(traced.gm)] == ["maxpool"]
+    split = cut_mlps(traced, POOL)
+    nodes = list(split.gm.graph.nodes)
+    pieces = [n for n in nodes if PIECE in n.meta]
+    assert [n.meta[PIECE] for n in pieces] == [("maxpool", 0), ("maxpool", 1)]
+    assert [n.meta[PIECE_OF] for n in pieces] == [("maxpool", 0.25), ("maxpool", 0.75)]
+    assert [tuple(n.meta["val"].shape[:1]) for n in pieces] == [(1,), (3,)]
+    joins = [n for n in nodes if n.meta.get(JOIN)]
+    assert len(joins) == 1 and joins[0].target is torch.cat and "maxpool" not in {n.name for n in nodes}
+    assert split.gm.state_dict().keys() == traced.gm.state_dict().keys() and not piece_params(POOL)
+    x = batch(1, 4)[0]
+    ref, out = traced.gm(x)[0], split.gm(x)[0]
+    assert torch.equal(out, ref)
+    ref.square().sum().backward()
+    out.square().sum().backward()
+    want = {k: p.grad for k, p in traced.gm.named_parameters()}
+    grads = merge_pieces({k: p.grad for k, p in split.gm.named_parameters()}, POOL)
+    assert grads.keys() == want.keys() and all(torch.equal(grads[k], want[k]) for k in want)
+    with pytest.raises(PartitionError, match="'layer1_0_relu' as a pooling"):
+        cut_mlps(traced, {"layer1_0_relu": {"samples": [0, 2, 4]}})
+    with pytest.raises(PartitionError, match="increasing pieces"):
+        cut_mlps(traced, {"maxpool": {"samples": [0, 3, 3, 4]}})
+
+
+def test_other_micro_batch_sizes_are_cut_at_the_same_fractions():
+    assert scaled_bounds([0, 48, 128], 128) == [0, 48, 128]
+    assert scaled_bounds([0, 48, 128], 32) == [0, 12, 32]
+    assert scaled_bounds([0, 1, 2, 128], 3) == [0, 1, 2, 3]  # every piece keeps a sample
+    assert scaled_bounds([0, 64, 128], 1) == [0, 0, 1]  # fewer samples than pieces: an empty one
+    small = _traced(2)
+    split = cut_mlps(small, POOL)  # planned at 4 samples (1 | 3), traced at 2: 1 | 1
+    assert [tuple(n.meta["val"].shape[:1]) for n in split.gm.graph.nodes if PIECE in n.meta] == [(1,), (1,)]
+    x = batch(2, 2)[0]
+    assert torch.equal(split.gm(x)[0], small.gm(x)[0])
+
+
+def test_the_partitioner_cuts_a_pool_by_sample_when_that_balances_better():
+    traced = _traced()
+    seconds = _heavy_pool(traced)
+    plain = partition(traced, 2, device="cpu", node_seconds=seconds)
+    plan = plan_stages(traced, 2, device="cpu", node_seconds=seconds)
+    assert not plain.mlp_pieces and list(plan.mlp_pieces) == ["maxpool"]
+    assert plan.imbalance < plain.imbalance - 0.2
+    assert plan_stages(traced, 2, device="cpu", node_seconds=seconds, split_mlps=False).mlp_pieces == {}
+    stage_of = plan.stage_of()  # the pool's pieces lie in both stages
+    assert {stage_of[n.name] for n in cut_mlps(traced, plan.mlp_pieces).gm.graph.nodes if PIECE in n.meta} == {0, 1}
+    x = batch(3, 4)[0]
+    out = run_chain(list(emit_stages(traced, plan).values()), x)
+    assert torch.equal(out[0], traced.gm(x)[0])
+    assert PartitionPlan.from_dict(plan.to_dict()).mlp_pieces == plan.mlp_pieces
+    assert "pooling cut across stages by sample: maxpool, samples 0:" in str(plan)
+
+
+# ----------------------------------------------------------------------------- on 2 processes
+def _profile(image: int) -> MeasuredCosts:
+    """A profile of ResNet-18 at one micro-batch on which pp=2 cuts inside the max-pool."""
+    traced = trace(resnet18(), (batch(0, BATCH // M, image)[0],))
+    key = profile_key(traced, RunSetup("cpu", "eager"))
+    seconds = _heavy_pool(traced)
+    count = sum(1 for n in traced.gm.graph.nodes if n.op != "output")
+    return MeasuredCosts(key["fingerprint"], key["input_shapes"], key["dtype"], key["mode"], key["device"],
+                         key["torch_version"], [Segment(0, count, sum(seconds.values()), 0.0)], seconds)
+
+
+def _train_pool_in_pieces(rank: int, world: int) -> dict:
+    ref = reference(resnet18(), BATCH, micro_batches(BATCH, M), steps=STEPS)
+    pm = autopipe.parallelize(resnet18(), (batch(0, BATCH // M)[0],), pp=2, microbatches=M, loss_fn=_loss,
+                              deadline=120, costs=_profile(32), measure=MeasureOptions(rounds=0, moves=0))
+    train(pm, BATCH, steps=STEPS, optimizer=_sgd(pm.parameters()))
+    state, want = pm.full_state_dict(), ref.state_dict()
+    out = {"pieces": pm.plan.mlp_pieces, "keys": state.keys() == want.keys(),
+           "state": max(excess(v, want[k]) for k, v in state.items())}
+    x_eval = batch(99, BATCH)[0]
+    pm.eval()
+    got = pm.eval_step(x_eval)
+    ref.eval()
+    with torch.no_grad():
+        out["eval"] = None if got is None else excess(logits(got), logits(ref(x_eval)))
+    return out
+
+
+def test_training_with_a_pool_cut_by_sample_equals_one_process():
+    """pp=2, 2 micro-batches of 4, 2 SGD steps with momentum, fp64, BatchNorm statistics over the
+    whole batch: every parameter and statistic, and the eval() outputs, equal one process."""
+    results = run_distributed(_train_pool_in_pieces, 2, timeout=300)
+    assert all(list(r["pieces"]) == ["maxpool"] and r["keys"] for r in results), results
+    assert all(r["state"] <= 1.0 for r in results), results
+    evals = [r["eval"] for r in results if r["eval"] is not None]
+    assert len(evals) == 1 and evals[0] <= 1.0, evals
