@@ -130,3 +130,42 @@ def test_training_with_a_pool_cut_by_sample_equals_one_process():
     assert all(r["state"] <= 1.0 for r in results), results
     evals = [r["eval"] for r in results if r["eval"] is not None]
     assert len(evals) == 1 and evals[0] <= 1.0, evals
+
+
+def test_the_closed_loop_prices_a_plan_cut_by_sample_by_its_fit(monkeypatch):
+    """A device on which each profile segment runs at its own hidden speed: the plan the loop
+    keeps, cut inside the max-pool, is priced by the profile as the loop's timings corrected it
+    (each piece at its share of its node), not by the raw profile."""
+    import autopipe.measure as measure
+    from autopipe.measure import _groups, measured_plan, segment_starts
+
+    traced = _traced()
+    seconds = _heavy_pool(traced)
+    order = [n.name for n in traced.gm.graph.nodes if n.op != "output"]
+    starts = segment_starts(traced, 4, "cpu")
+    segments = [Segment(a, b, sum(seconds[n] for n in order[a:b]), 0.0) for a, b in zip(starts, starts[1:] + [len(order)])]
+    key = profile_key(traced, RunSetup("cpu", "eager"))
+    measured = MeasuredCosts(key["fingerprint"], key["input_shapes"], key["dtype"], key["mode"], key["device"],
+                             key["torch_version"], segments, seconds)
+    group_of = _groups(traced, measured)
+    hidden = [1.6, 0.7, 1.2, 0.9][:len(segments)]
+
+    def true(plan):
+        nodes = cut_mlps(traced, plan.mlp_pieces).gm.graph.nodes
+        share = {n.name: n.meta.get(PIECE_OF, (n.name, 0.0 if n.meta.get(JOIN) else 1.0)) for n in nodes}
+        return [sum(share[n][1] * seconds.get(share[n][0], 0.0) * hidden[group_of.get(share[n][0], 0)]
+                    for n in s.nodes) for s in plan.stages]
+
+    monkeypatch.setattr(measure, "time_plan", lambda t, plan, s, group=None, stages=None: [
+        true(plan)[i] for i in (range(plan.num_stages) if stages is None else stages)])
+    monkeypatch.setattr(measure, "_time_both", lambda t, p, q, s, scale: (true(p), true(q)))
+    plan = measured_plan(traced, RunSetup("cpu", reps=1, warmup=1), dict(pp=2, device="cpu"), measured=measured,
+                         options=MeasureOptions(rounds=1, moves=4, target=1.0))
+    assert list(plan.mlp_pieces) == ["maxpool"] and "calibrated" in plan.refinement[-1]
+    assert any(r.get("mlp_pieces") == plan.mlp_pieces for r in plan.refinement if "round" in r)
+    truth = true(plan)
+    split = cut_mlps(traced, plan.mlp_pieces).gm.graph.nodes
+    share = {n.name: n.meta.get(PIECE_OF, (n.name, 0.0 if n.meta.get(JOIN) else 1.0)) for n in split}
+    raw = [sum(share[n][1] * seconds.get(share[n][0], 0.0) for n in s.nodes) for s in plan.stages]
+    assert max(abs(r - t) / t for r, t in zip(raw, truth)) > 0.15  # the raw profile is far off
+    assert max(abs(s.compute_time - t) / t for s, t in zip(plan.stages, truth)) < 0.05

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import json
 import os
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -24,7 +25,7 @@ from autopipe.stages import mlp_pieces, plan_stages
 from autopipe.tracer import TracedModel
 
 from .cache import ProfileCache, default_cache_dir
-from .closed_loop import TARGET, calibrate, move_boundaries, refine, timings
+from .closed_loop import TARGET, Planned, calibrate, move_boundaries, refine, timings
 from .pipeline_scale import stage_scale, stage_seconds
 from .profile import DEFAULT_SEGMENTS, _rank_world, _share, on_rank0, profile_graph, profile_key, segment_starts
 from .host_pace import PACE
@@ -153,10 +154,9 @@ def _close_the_loop(traced: TracedModel, plan: PartitionPlan, setup: RunSetup, m
     if options.moves == 0 or partition_args.get("balance", "cost") != "cost" \
             or partition_args.get("mem_cap") is not None:
         return plan  # boundaries the user placed, or a memory cap the moves would not check, stay
-    order = [n.name for n in traced.gm.graph.nodes if n.op != "output"]
     at_args = {k: v for k, v in partition_args.items() if k not in ("split_mlps", "measured", "node_seconds")}
     groups = len(measured.segments)
-    planned = _planned_at(order, measured.node_seconds, group_of)
+    planned = _planned_at(traced, measured.node_seconds, group_of)
     # Moved plans are priced by the profile as the rounds' timings corrected it ...
     priced = corrected(*(calibrate(plan.refinement, groups, planned, scale) or ([1.0] * groups,)))
     graph, seconds = traced, dict(priced.node_seconds)
@@ -177,9 +177,15 @@ def _close_the_loop(traced: TracedModel, plan: PartitionPlan, setup: RunSetup, m
     # ... and the plan kept, by every timing of the loop, its moves' included.
     fit = calibrate(plan.refinement, groups, planned, scale)
     starts = [s.nodes[0] for s in plan.stages]
-    if fit is None or plan.mlp_pieces or planned(starts) is None:
-        return plan  # (a plan in pieces keeps the prices it was cut at)
-    kept = partition_at(traced, [order.index(n) for n in starts], measured=corrected(*fit), **at_args)
+    if fit is None or planned(starts, plan.mlp_pieces) is None:
+        return plan
+    final, graph, seconds = corrected(*fit), traced, None
+    if plan.mlp_pieces:  # priced in the graph cut into its pieces, each at its share of its node
+        graph = mlp_pieces.cut_mlps(traced, plan.mlp_pieces)
+        seconds = mlp_pieces.piece_seconds(graph, lambda n: final.node_seconds.get(n, 0.0), final.node_seconds)
+    order = [n.name for n in graph.gm.graph.nodes if n.op != "output"]
+    kept = partition_at(graph, [order.index(n) for n in starts], measured=final, node_seconds=seconds, **at_args)
+    kept.mlp_pieces = plan.mlp_pieces
     for stage, old in zip(kept.stages, plan.stages):
         stage.measured_time = old.measured_time
     kept.refinement = plan.refinement + [{"calibrated": [round(f, 4) for f in fit[0]], "fixed": fit[1],
@@ -187,18 +193,24 @@ def _close_the_loop(traced: TracedModel, plan: PartitionPlan, setup: RunSetup, m
     return kept
 
 
-def _planned_at(order: list[str], seconds: dict[str, float],
-                group_of: dict[str, int]) -> Callable[[list[str]], list[dict[int, float]] | None]:
-    """``planned(stage_starts)``: each stage's profiled seconds by segment group, for the plan
-    whose stages start at those nodes; None where a start is not a node of ``order`` (an MLP
-    piece)."""
-    position = {n: k for k, n in enumerate(order)}
+def _planned_at(traced: TracedModel, seconds: dict[str, float], group_of: dict[str, int]) -> Planned:
+    """``planned(stage_starts, pieces)``: each stage's profiled seconds by segment group, for
+    the plan of ``traced`` cut into ``pieces`` whose stages start at those nodes (a piece counts
+    its share of its node); None where a start is not a node of that graph."""
+    graphs: dict[str, tuple[list[str], dict[str, tuple[str, float]]]] = {}
 
-    def planned(starts: list[str]) -> list[dict[int, float]] | None:
+    def planned(starts: list[str], pieces: dict) -> list[dict[int, float]] | None:
+        key = json.dumps(pieces, sort_keys=True)
+        if key not in graphs:  # the graph cut into those pieces: its order, and each piece's node and share
+            nodes = mlp_pieces.cut_mlps(traced, pieces).gm.graph.nodes
+            graphs[key] = ([n.name for n in nodes if n.op != "output"],
+                           {n.name: n.meta[mlp_pieces.PIECE_OF] for n in nodes if mlp_pieces.PIECE_OF in n.meta})
+        order, piece_of = graphs[key]
+        position = {n: k for k, n in enumerate(order)}
         if any(n not in position for n in starts):
             return None
         bounds = [position[n] for n in starts] + [len(order)]
-        return [_by_group(order[a:b], seconds, group_of, {}) for a, b in zip(bounds, bounds[1:])]
+        return [_by_group(order[a:b], seconds, group_of, piece_of) for a, b in zip(bounds, bounds[1:])]
     return planned
 
 

@@ -34,7 +34,13 @@ rounds' fit. Before, a moved plan was priced by the raw profile: on an H200, eag
 EfficientNet-B0 at 128 images in 8 stages, one move kept, its last stage priced 4.60 ms against
 5.46 in the loop's own timing (16% off). Priced by the fit, in the next run (ten moves kept)
 every stage came within 2% of the loop's timing of it (benchmarks/results/2026-11-28-h200-
-measured-balance-{chains,calibrated}-effnet-eager-128.json).
+measured-balance-{chains,calibrated}-effnet-eager-128.json). A plan cut into pieces is priced
+so too, each piece at its share of its node: the log records the pieces of every plan it timed
+(``mlp_pieces``), and the fit rebuilds each in the graph cut into them. Before, such timings
+were left out of the fit and a plan in pieces kept the prices it was cut at: on an H200 under
+CUDA graphs, ResNet-50 at 128 images with its max-pool cut by sample, its first stage priced
+4.19 ms against 3.71 timed (benchmarks/results/2026-11-28-h200-measured-balance-sample-pieces-
+resnet50-graphs-128.json).
 The loop aims under the bar a plan is held to: a plan that stops just under 1.05 in its last
 timing reads above it in the next one as often as not. At the host's pace (one H100, eager,
 ResNet-50/152, Swin-B, ViT-B/16 and ViT-L/16 at 32 and 128 images, 21 plans), a fresh timing
@@ -87,7 +93,7 @@ import numpy as np
 from autopipe.errors import ConfigError
 from autopipe.partition.plan import PartitionPlan
 
-__all__ = ["refine", "move_boundaries", "calibrate", "timings", "PRIOR", "Paired", "TARGET"]
+__all__ = ["refine", "move_boundaries", "calibrate", "timings", "PRIOR", "Paired", "Planned", "TARGET"]
 
 # Times of every stage of two plans, taken together: (the first plan's, the second's).
 Paired = Callable[[PartitionPlan, PartitionPlan], tuple[Sequence[float], Sequence[float]]]
@@ -123,7 +129,8 @@ def refine(plan: PartitionPlan, *, groups: int,
             stage.measured_time = t
         ratio = plan.measured_imbalance or 1.0
         log.append({"round": r, "measured_max": max(measured), "measured_imbalance": ratio,
-                    "times": measured, "stage_starts": [stage.nodes[0] for stage in plan.stages]})
+                    "times": measured, "stage_starts": [stage.nodes[0] for stage in plan.stages],
+                    **_pieces(plan)})
         alone = [t / (1.0 if scale is None else scale[i]) for i, t in enumerate(measured)]  # as run alone
         if r == 0:
             first_total = sum(alone)
@@ -210,7 +217,7 @@ class _Mover:
         self.tried.add(tuple(new))
         candidate = self.cut_at(new)
         self.left -= 1
-        entry: dict[str, object] = {"move": self.moves - self.left}
+        entry: dict[str, object] = {"move": self.moves - self.left, **_pieces(self.plan)}
         changed = list(range(lo, hi + 1))
         if self.paired is not None:  # both plans in one timing; the current plan's times from it
             now, timed = ([float(t) for t in ts] for ts in self.paired(self.plan, candidate))
@@ -235,44 +242,55 @@ class _Mover:
         return kept
 
 
-def timings(log: Sequence[dict], scale: Sequence[float] | None = None
-            ) -> list[tuple[list[str], list[int], list[float], float]]:
-    """Every stage timing in a closed loop's log: (the plan's stage starts, the stages timed,
-    their times as the stages ran alone, without ``scale``, and the pace that brings them to the
-    first round's). A round and a paired move time every stage of a plan, so their times are
-    brought to the first round's total; unpaired moves run under CUDA graphs, at the GPU's
-    steady pace, and time only the stages they change."""
+# A timing in a closed loop's log: the plan's stage starts and its pieces (plan.mlp_pieces), the
+# stages timed, their times as they ran alone, and the pace that brings them to the first round's.
+Timing = tuple[list[str], dict, list[int], list[float], float]
+# planned(stage_starts, pieces): each stage's profiled seconds by group, None where not rebuilt.
+Planned = Callable[[list[str], dict], "list[dict[int, float]] | None"]
+
+
+def _pieces(plan: PartitionPlan) -> dict[str, object]:
+    """What a log entry records of a plan's pieces: nothing when it is cut between nodes."""
+    return {"mlp_pieces": plan.mlp_pieces} if plan.mlp_pieces else {}
+
+
+def timings(log: Sequence[dict], scale: Sequence[float] | None = None) -> list[Timing]:
+    """Every stage timing in a closed loop's log (see ``Timing``; the times without ``scale``).
+    A round and a paired move time every stage of a plan, so their times are brought to the
+    first round's total; unpaired moves run under CUDA graphs, at the GPU's steady pace, and
+    time only the stages they change."""
     def alone(stages: Sequence[int], times: Sequence[float]) -> list[float]:
         return [t / (1.0 if scale is None else scale[i]) for i, t in zip(stages, times)]
 
-    out: list[tuple[list[str], list[int], list[float], float]] = []
+    out: list[Timing] = []
     total = None
     for r in log:
+        pieces = dict(r.get("mlp_pieces", {}))
         if "round" in r:
             times = alone(range(len(r["times"])), r["times"])
             total = sum(times) if total is None else total
-            out.append((list(r["stage_starts"]), list(range(len(times))), times, total / sum(times)))
+            out.append((list(r["stage_starts"]), pieces, list(range(len(times))), times, total / sum(times)))
         elif "move" in r and total is not None:
             if "current" in r:
                 now = alone(range(len(r["current"])), r["current"])
                 pace = total / sum(now)
-                out.append((list(r["current_starts"]), list(range(len(now))), now, pace))
+                out.append((list(r["current_starts"]), pieces, list(range(len(now))), now, pace))
             else:
                 pace = 1.0
-            out.append((list(r["stage_starts"]), list(r["stages"]), alone(r["stages"], r["measured"]), pace))
+            out.append((list(r["stage_starts"]), pieces, list(r["stages"]), alone(r["stages"], r["measured"]), pace))
     return out
 
 
-def calibrate(log: Sequence[dict], groups: int, planned: Callable[[list[str]], list[dict[int, float]] | None],
+def calibrate(log: Sequence[dict], groups: int, planned: Planned,
               scale: Sequence[float] | None = None) -> tuple[list[float], float] | None:
     """Each group's factor and a stage's fixed seconds, fitted on every timing of the loop's
-    log, its rounds' and its moves' (see [Note: closed loop]); ``planned(stage_starts)`` gives
-    the profiled seconds by group of each stage of the plan that starts there, or None for a
-    plan it cannot rebuild; ``scale``, the stage scale the times were taken at. None when
-    nothing was timed."""
+    log, its rounds' and its moves' (see [Note: closed loop]); ``planned(stage_starts, pieces)``
+    gives the profiled seconds by group of each stage of the plan that starts there, cut into
+    those pieces, or None for a plan it cannot rebuild; ``scale``, the stage scale the times
+    were taken at. None when nothing was timed."""
     rows, times = [], []
-    for starts, stages, measured, pace in timings(log, scale):
-        by_stage = planned(starts)
+    for starts, pieces, stages, measured, pace in timings(log, scale):
+        by_stage = planned(starts, pieces)
         if by_stage is None:
             continue
         for i, t in zip(stages, measured):
