@@ -169,3 +169,20 @@ def test_the_closed_loop_prices_a_plan_cut_by_sample_by_its_fit(monkeypatch):
     raw = [sum(share[n][1] * seconds.get(share[n][0], 0.0) for n in s.nodes) for s in plan.stages]
     assert max(abs(r - t) / t for r, t in zip(raw, truth)) > 0.15  # the raw profile is far off
     assert max(abs(s.compute_time - t) / t for s, t in zip(plan.stages, truth)) < 0.05
+
+
+def test_stages_cut_by_sample_run_micro_batches_of_another_size():
+    """The graph cut by sample stays generic in the batch: stages emitted for the planned 4
+    samples, re-propagated at 3 and 6 (an uneven last micro-batch), give the model's outputs."""
+    from autopipe.stages.variants import emit_variant, repropagate
+
+    traced = _traced()
+    plan = plan_stages(traced, 2, device="cpu", node_seconds=_heavy_pool(traced))
+    assert list(plan.mlp_pieces) == ["maxpool"]
+    split = cut_mlps(traced, plan.mlp_pieces)  # what the runtime holds
+    stages = emit_stages(traced, plan)
+    for size in (3, 6):
+        sized = repropagate(split, size)
+        x = batch(4, size)[0]
+        out = run_chain(list(emit_variant(sized, plan, stages).values()), x)
+        assert torch.equal(out[0], traced.gm(x)[0]), size

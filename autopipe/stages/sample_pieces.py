@@ -6,7 +6,8 @@ the micro-batch's samples cut at ``0 = s_0 < s_1 < ... < s_k = B``,
 
     pool(x) = cat_i pool(x[s_i : s_i+1])        (on dim 0)
 
-``cut_pool`` rewrites a traced graph that way: ``torch.split`` of the input by sample, then
+``cut_pool`` rewrites a traced graph that way: ``split_samples`` of the input (``torch.split`` by
+sample, at sizes read from the input, so the graph serves any micro-batch size), then
 each part pooled (a copy of the pooling node; the module holds no state, so each stage that
 pools calls its own copy of it), then ``torch.cat`` of the results (a JOIN). A boundary
 between pieces i and i + 1 carries the samples pooled so far and the input's samples still to
@@ -23,9 +24,9 @@ the narrower convolutions are slower per channel. A slice of samples is contiguo
 layout, and a pooling of part of the batch, memory-bound, costs about its share of the whole.
 
 The spec (``PartitionPlan.mlp_pieces``, keyed by the pooling node's name) is ``{"samples":
-boundaries}`` in samples of the planned micro-batch. A graph traced at another micro-batch size
-(a step's uneven last micro-batch: [Note: stage variants]) is cut at the same fractions of its
-own batch.
+boundaries}`` in samples of the planned micro-batch. A micro-batch of another size (a step's
+uneven last one: [Note: stage variants]) is cut at the same fractions of its own batch, each
+piece keeping a sample where there are enough.
 """
 from __future__ import annotations
 
@@ -40,9 +41,10 @@ import torch.nn as nn
 from ..errors import PartitionError
 from ..graph import value_of
 from ..memory_format import channels_last_dense
+from ..partition.rule_tables import FUNCTION_NAMES
 from .piece_meta import JOIN, PIECE, PIECE_OF, SAMPLES
 
-__all__ = ["Pool", "POOLS", "find_pools", "cut_pool", "scaled_bounds"]
+__all__ = ["Pool", "POOLS", "find_pools", "cut_pool", "scaled_bounds", "split_samples"]
 
 POOLS: tuple[type, ...] = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)
 
@@ -101,6 +103,17 @@ def scaled_bounds(bounds: list[int], batch: int) -> list[int]:
     return out + [batch]
 
 
+def split_samples(x: torch.Tensor, bounds: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """``x`` cut along its batch (dim 0) at ``bounds``, samples of a micro-batch of ``bounds[-1]``
+    scaled to ``x``'s: the graph stays generic in the batch size, as stage variants for other
+    sizes need ([Note: stage variants])."""
+    at = scaled_bounds(list(bounds), int(x.shape[0]))
+    return torch.split(x, [b - a for a, b in zip(at, at[1:])], dim=0)
+
+
+FUNCTION_NAMES[split_samples] = "split"  # priced as torch.split is
+
+
 def _like(value: torch.Tensor, samples: int) -> torch.Tensor:
     """A piece's traced value: ``value`` with ``samples`` samples, in its layout."""
     layout = torch.channels_last if channels_last_dense(value) else torch.contiguous_format
@@ -122,7 +135,7 @@ def cut_pool(gm: fx.GraphModule, name: str, bounds: list[int]) -> None:
     sizes = [b - a for a, b in zip(at, at[1:])]
     graph = gm.graph
     with graph.inserting_before(node):
-        split = graph.call_function(torch.split, (node.args[0], sizes), {"dim": 0})
+        split = graph.call_function(split_samples, (node.args[0], tuple(bounds)))
         split.meta.update({**node.meta, "val": tuple(_like(x, s) for s in sizes)})
         parts = []
         for i, s in enumerate(sizes):
