@@ -112,9 +112,11 @@ def parallelize(
     ``split_mlps`` (tp=1, balance="cost") lets a stage boundary fall inside a large MLP when
     that balances the stages better: its hidden units are split between the two stages, held
     as ``<fc1>_piece<i>`` and ``<fc2>_piece<i>`` (see [Note: MLP pieces]); ``full_state_dict``
-    and checkpoints keep the model's own names. ``split_mlps="convolutions"`` also cuts
+    and checkpoints keep the model's own names. It also cuts a pooling by sample (a ResNet
+    stem's max-pool; see [Note: sample pieces]). ``split_mlps="convolutions"`` also cuts
     convolutions by channel (a ResNet block's conv pair, or a convolution and its norm, its
-    pieces concatenated); off by default, as on an H200 the pieces cost more than they balance. ``pp="auto"`` turns it off, to run the stages
+    pieces concatenated); off by default, as on an H200 the pieces cost more than they balance.
+    ``pp="auto"`` turns it off, to run the stages
     the search priced ([Note: priced cuts] in autopipe/search/layouts.py).
     ``compile_stages=True`` compiles each stage's graph with ``torch.compile`` (inductor fuses
     the norms, activations and casts between the GEMMs; the first step pays the compilation;
