@@ -131,8 +131,7 @@ def cut_pool(gm: fx.GraphModule, name: str, bounds: list[int]) -> None:
     if bounds[0] != 0 or any(b <= a for a, b in zip(bounds, bounds[1:])):
         raise PartitionError(f"sample boundaries {bounds} do not cut {name!r} into increasing pieces from 0")
     x, out = value_of(node.args[0]), value_of(node)
-    at = scaled_bounds(bounds, int(x.shape[0]))
-    sizes = [b - a for a, b in zip(at, at[1:])]
+    sizes = [int(part.shape[0]) for part in split_samples(x, tuple(bounds))]  # on the traced (meta) value
     graph = gm.graph
     with graph.inserting_before(node):
         split = graph.call_function(split_samples, (node.args[0], tuple(bounds)))
@@ -145,7 +144,7 @@ def cut_pool(gm: fx.GraphModule, name: str, bounds: list[int]) -> None:
         pooled = []
         for i, (part, s) in enumerate(zip(parts, sizes)):
             piece = graph.node_copy(node, lambda _: part)  # noqa: B023 - called at once
-            piece.meta.update({"val": _like(out, s), PIECE_OF: (node.name, s / max(at[-1], 1)), PIECE: (name, i)})
+            piece.meta.update({"val": _like(out, s), PIECE_OF: (node.name, s / max(x.shape[0], 1)), PIECE: (name, i)})
             pooled.append(piece)
         joined = graph.call_function(torch.cat, (pooled,), {"dim": 0})
         joined.meta.update({**node.meta, JOIN: True})
