@@ -126,7 +126,8 @@ def run_case(name: str, traced: Any, mb: int, mode: str, layouts: tuple, reps: i
                 "loop_ms": [t * 1e3 for t in looped], "loop_imbalance": _imbalance(looped),
                 "calibration_error": max(abs(p - t) / t for p, t in zip(predicted, times)),
                 "loop_rounds": sum("round" in r for r in plan.refinement),
-                "loop_moves": sum("move" in r for r in plan.refinement), "loop_seconds": loop_s,
+                "loop_moves": sum("move" in r for r in plan.refinement),
+                "loop_recuts": sum("recut" in r for r in plan.refinement), "loop_seconds": loop_s,
                 "loop": plan.refinement, "mlp_pieces": plan.mlp_pieces,
                 "stage_starts": [s.nodes[0] for s in plan.stages]}
         row["host_pace"] = PACE.summary()  # the probes so far in this process ([Note: host pace])

@@ -406,6 +406,48 @@ def test_moved_plans_are_priced_by_the_corrected_profile(monkeypatch):
     assert [s.measured_time for s in plan.stages] == pytest.approx(truth)
 
 
+def test_at_the_host_pace_the_moved_plan_is_judged_against_the_rounds_plan(monkeypatch):
+    """Moves kept in a slow spell of some stages can leave a plan slower than the one they moved:
+    at the host's pace the loop times the two together at the end and keeps the faster. Here the
+    moves (stood in for) end at a plan whose first stages are heavier; the rounds' plan is kept,
+    with its times from that last timing."""
+    from autopipe.partition.partitioner import partition
+
+    traced = trace(timm_vit(depth=8), (torch.randn(4, 3, 32, 32),))
+    measured, *_ = _synthetic(traced)
+
+    def true(plan):
+        return [sum(measured.node_seconds.get(n, 0.0) for n in s.nodes) for s in plan.stages]
+
+    def worse(plan, *, order, cut_at, **kwargs):  # every boundary three nodes later
+        position = {n: k for k, n in enumerate(order)}
+        moved = cut_at([0] + [position[s.nodes[0]] + 3 for s in plan.stages[1:]])
+        moved.refinement = plan.refinement + [{"move": 1, "stages": [0, 1, 2, 3], "measured": true(moved),
+                                               "current": true(plan), "kept": True,
+                                               "stage_starts": [s.nodes[0] for s in moved.stages],
+                                               "current_starts": [s.nodes[0] for s in plan.stages]}]
+        for stage, t in zip(moved.stages, true(moved)):
+            stage.measured_time = t
+        return moved
+
+    pairs = []
+    monkeypatch.setattr(autopipe.measure, "move_boundaries", worse)
+    monkeypatch.setattr(autopipe.measure, "plan_stages", lambda t, **kw: partition(t, **kw))
+    monkeypatch.setattr(autopipe.measure, "time_plan", lambda t, plan, s, group=None, stages=None: true(plan))
+    monkeypatch.setattr(autopipe.measure, "_time_both",
+                        lambda t, p, q, s, scale: pairs.append((p, q)) or ([0.9 * x for x in true(p)],
+                                                                            [0.9 * x for x in true(q)]))
+    options = MeasureOptions(reps=2, warmup=1, rounds=0, moves=1, target=1.0)
+    plan = autopipe.measure.measured_plan(traced, CPU, dict(pp=4, device="h100"), measured=measured, options=options)
+    rounds = partition(traced, pp=4, device="h100", measured=measured)
+    assert len(pairs) == 1 and [s.nodes[0] for s in pairs[0][0].stages] == [s.nodes[0] for s in rounds.stages]
+    moved = pairs[0][1]
+    assert max(true(moved)) > max(true(rounds))  # the moves' plan is the slower
+    assert plan.refinement[-2]["judged_moves"] is False
+    assert [s.nodes[0] for s in plan.stages] == [s.nodes[0] for s in rounds.stages]
+    assert [s.measured_time for s in plan.stages] == pytest.approx([0.9 * x for x in true(rounds)])
+
+
 def test_measure_options_check_the_moves():
     traced = _vit_traced()
     with pytest.raises(ConfigError, match="boundary moves"):

@@ -186,3 +186,138 @@ def test_stages_cut_by_sample_run_micro_batches_of_another_size():
         x = batch(4, size)[0]
         out = run_chain(list(emit_variant(sized, plan, stages).values()), x)
         assert torch.equal(out[0], traced.gm(x)[0]), size
+
+
+def test_the_fit_takes_the_splits_and_joins_at_their_analytic_price():
+    """The seconds of nodes no profile timed (a split, a join) enter each timing's equation as
+    known: a device on which they cost exactly that and every group runs at its hidden factor
+    gives those factors back, where folding them into the groups would not."""
+    from autopipe.measure.closed_loop import UNPROFILED, calibrate
+
+    by_stage = {("a",): [{0: 2.0, 1: 1.0, UNPROFILED: 1.5}, {1: 3.0}],
+                ("b",): [{0: 1.0, UNPROFILED: 0.5}, {0: 1.0, 1: 3.0, UNPROFILED: 1.0}],
+                ("c",): [{0: 3.0}, {1: 1.0, UNPROFILED: 2.0}]}
+    hidden, fixed = [1.5, 0.8], 0.25
+
+    def true(stage: dict) -> float:
+        return sum(hidden[k] * s for k, s in stage.items() if k != UNPROFILED) + stage.get(UNPROFILED, 0.0) + fixed
+
+    # Timed as under CUDA graphs (moves at the GPU's steady pace), each plan 5 times: the prior's
+    # pull weighs little.
+    log = [{"round": 0, "stage_starts": ["a"], "times": [true(s) for s in by_stage[("a",)]]}]
+    log += [{"move": i, "stage_starts": list(k), "stages": [0, 1], "measured": [true(s) for s in v]}
+            for i, (k, v) in enumerate(list(by_stage.items()) * 5)]
+    factors, c = calibrate(log, 2, lambda starts, pieces: by_stage[tuple(starts)])
+    assert factors == pytest.approx(hidden, rel=0.02) and c == pytest.approx(fixed, rel=0.05)
+    folded = {k: [{g: s for g, s in stage.items() if g != UNPROFILED} for stage in v] for k, v in by_stage.items()}
+    wrong, _ = calibrate(log, 2, lambda starts, pieces: folded[tuple(starts)])
+    assert max(abs(f - h) / h for f, h in zip(wrong, hidden)) > 0.1
+
+
+def test_boundaries_move_inside_a_pool_by_a_sixteenth_of_its_samples(monkeypatch):
+    """A boundary inside the pool moves in the graph whose pool is cut into sixteen pieces (a
+    move over its two pieces would move most of the pool): on a device where the stem and its
+    pool run at half their profiled time, the moves shift the pool's samples between the
+    stages, and each moved plan, merged back to two pieces, runs as the model does."""
+    import autopipe.measure as measure
+    from autopipe.measure import _groups, measured_plan
+
+    traced = _traced(16)
+    seconds = _heavy_pool(traced)
+    order = [n.name for n in traced.gm.graph.nodes if n.op != "output"]
+    cut = order.index("maxpool") + 1  # the pool's segment apart from the rest's
+    segments = [Segment(0, cut, sum(seconds[n] for n in order[:cut]), 0.0),
+                Segment(cut, len(order), sum(seconds[n] for n in order[cut:]), 0.0)]
+    key = profile_key(traced, RunSetup("cpu", "eager"))
+    measured = MeasuredCosts(key["fingerprint"], key["input_shapes"], key["dtype"], key["mode"], key["device"],
+                             key["torch_version"], segments, seconds)
+    group_of = _groups(traced, measured)
+    hidden = [0.5, 1.0]
+
+    def true(plan):  # the splits and joins at their analytic price, as the fit takes them
+        split = cut_mlps(traced, plan.mlp_pieces)
+        unprofiled = {k: v for k, v in analytic_seconds(split, "cpu").items() if k not in seconds}
+        share = {n.name: n.meta.get(PIECE_OF, (n.name, 1.0)) for n in split.gm.graph.nodes}
+        return [sum(share[n][1] * seconds[share[n][0]] * hidden[group_of[share[n][0]]]
+                    if share[n][0] in seconds else unprofiled.get(n, 0.0) for n in s.nodes) for s in plan.stages]
+
+    monkeypatch.setattr(measure, "time_plan", lambda t, plan, s, group=None, stages=None: [
+        true(plan)[i] for i in (range(plan.num_stages) if stages is None else stages)])
+    monkeypatch.setattr(measure, "_time_both", lambda t, p, q, s, scale: (true(p), true(q)))
+    plan = measured_plan(traced, RunSetup("cpu", reps=1, warmup=1), dict(pp=2, device="cpu"), measured=measured,
+                         options=MeasureOptions(rounds=0, moves=6, target=1.01))
+    first = plan.refinement[0]
+    kept = [e for e in plan.refinement if e.get("kept") and "move" in e]
+    assert first["measured_imbalance"] > 1.15 and kept
+    bounds = [e["mlp_pieces"]["maxpool"]["samples"] for e in kept]
+    assert all(len(b) == 3 for b in bounds) and bounds[0] != first["mlp_pieces"]["maxpool"]["samples"]
+    assert plan.mlp_pieces["maxpool"]["samples"] == bounds[-1]
+    truth = true(plan)
+    assert max(truth) / (sum(truth) / 2) < 1.06
+    assert max(abs(s.compute_time - t) / t for s, t in zip(plan.stages, truth)) < 0.05
+    x = batch(5, 16)[0]
+    assert torch.equal(run_chain(list(emit_stages(traced, plan).values()), x)[0], traced.gm(x)[0])
+
+
+def test_stage_starts_are_found_in_the_pool_cut_finer_and_back():
+    """A start at a piece is the piece of the other graph with the same first sample, a start at
+    the concatenation is the concatenation (or the node after a whole pool), other nodes keep
+    their names, and a start at a split's part has no counterpart."""
+    from autopipe.stages.finer_pieces import finer, translate
+
+    traced = _traced(16)
+    original = {n.name for n in traced.gm.graph.nodes}
+    coarse = {"maxpool": {"samples": [0, 6, 16]}}
+    fine = finer(coarse)
+    assert fine["maxpool"]["samples"] == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]
+    a, b = cut_mlps(traced, coarse).gm, cut_mlps(traced, fine).gm
+    piece = {n.meta[PIECE][1]: n.name for n in a.graph.nodes if PIECE in n.meta}
+    fine_piece = {n.meta[PIECE][1]: n.name for n in b.graph.nodes if PIECE in n.meta}
+    join = next(n.name for n in a.graph.nodes if n.meta.get(JOIN))
+    after = [n.name for n in traced.gm.graph.nodes][[n.name for n in traced.gm.graph.nodes].index("maxpool") + 1]
+    assert translate(["x", piece[1], "layer2_0_conv1"], a, coarse, b, fine, original) == ["x", fine_piece[6],
+                                                                                       "layer2_0_conv1"]
+    assert translate(["x", fine_piece[6]], b, fine, a, coarse, original) == ["x", piece[1]]
+    assert translate(["x", fine_piece[0]], b, fine, traced.gm, {}, original) == ["x", "maxpool"]
+    assert translate(["x", join], a, coarse, traced.gm, {}, original) == ["x", after]
+    assert translate(["x", fine_piece[3]], b, fine, a, coarse, original) is None  # no piece of a starts there
+    split_part = next(n.name for n in a.graph.nodes if n.op == "call_function" and "getitem" in n.name
+                      and n.name not in original)
+    assert translate(["x", split_part], a, coarse, b, fine, original) is None
+
+
+def test_a_recut_is_timed_beside_the_plan_and_kept_only_when_faster():
+    """``_recut``: the candidate is timed (paired with the current plan at the host's pace) and
+    kept when its slowest stage is faster; a candidate the loop timed before is not timed again;
+    the log's timings hold both plans of a paired re-cut, each with its own pieces."""
+    from autopipe.measure import _recut
+    from autopipe.measure.closed_loop import timings
+
+    traced = _traced(16)
+    seconds = _heavy_pool(traced)
+    current = partition(traced, 2, device="cpu", node_seconds=seconds)
+    candidate = plan_stages(traced, 2, device="cpu", node_seconds=seconds)
+    assert candidate.mlp_pieces and not current.mlp_pieces
+    for stage, t in zip(current.stages, [3.0, 1.0]):
+        stage.measured_time = t
+    current.refinement = [{"round": 0, "times": [3.0, 1.0], "stage_starts": [s.nodes[0] for s in current.stages]}]
+    calls = []
+
+    def timed(plan):
+        calls.append(plan)
+        return [2.0, 2.1]
+
+    kept, won = _recut(current, candidate, timed, None)
+    assert won and kept is candidate and [s.measured_time for s in kept.stages] == [2.0, 2.1]
+    entry = kept.refinement[-1]
+    assert entry["recut"] == 1 and entry["kept"] and entry["mlp_pieces"] == candidate.mlp_pieces
+    again, won = _recut(kept, candidate, timed, None)  # timed before: not again
+    assert not won and again is kept and len(calls) == 1
+    slower = partition(traced, 2, device="cpu", node_seconds={**seconds, "maxpool": 0.0})
+    current.refinement = [dict(current.refinement[0])]
+    paired = lambda a, b: ([3.3, 1.1], [3.5, 0.2])  # noqa: E731
+    same, won = _recut(current, slower, timed, paired)
+    assert not won and same is current and [s.measured_time for s in current.stages] == [3.3, 1.1]
+    logged = timings(current.refinement)
+    assert [t[0] for t in logged[1:]] == [[s.nodes[0] for s in current.stages], [s.nodes[0] for s in slower.stages]]
+    assert logged[1][4] == pytest.approx(4.0 / 4.4)  # the current plan's pace, both plans' times at it

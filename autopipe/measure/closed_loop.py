@@ -83,6 +83,7 @@ alone:
   pieces, and no move was made on them before;
 - the moves stop when nothing helps, at the target, or after ``moves`` timings.
 Every move is logged in ``plan.refinement`` after the rounds.
+
 """
 from __future__ import annotations
 
@@ -93,7 +94,7 @@ import numpy as np
 from autopipe.errors import ConfigError
 from autopipe.partition.plan import PartitionPlan
 
-__all__ = ["refine", "move_boundaries", "calibrate", "timings", "PRIOR", "Paired", "Planned", "TARGET"]
+__all__ = ["refine", "move_boundaries", "calibrate", "timings", "PRIOR", "Paired", "Planned", "TARGET", "UNPROFILED"]
 
 # Times of every stage of two plans, taken together: (the first plan's, the second's).
 Paired = Callable[[PartitionPlan, PartitionPlan], tuple[Sequence[float], Sequence[float]]]
@@ -101,6 +102,9 @@ Paired = Callable[[PartitionPlan, PartitionPlan], tuple[Sequence[float], Sequenc
 PRIOR = 0.2  # pull of each group's factor towards 1, against equations of weight 1
 TRIES = 3  # positions tried for one boundary before the next boundary is
 TARGET = 1.03  # the max/mean the loop stops at by default: under 1.05 by the spread of one timing
+# In a stage's seconds by group: the nodes no profile segment timed (a plan in pieces' splits and
+# joins), at their analytic price, as the partitioner prices them; known, not fitted.
+UNPROFILED = -1
 
 
 def refine(plan: PartitionPlan, *, groups: int,
@@ -121,6 +125,7 @@ def refine(plan: PartitionPlan, *, groups: int,
         raise ConfigError(f"closed-loop rounds must be a non-negative integer, got {rounds!r}")
     rows: list[np.ndarray] = []
     times: list[float] = []
+    known: list[float] = []
     log: list[dict[str, object]] = []
     best = fastest = plan
     for r in range(rounds + 1):
@@ -142,9 +147,11 @@ def refine(plan: PartitionPlan, *, groups: int,
             break
         pace = first_total / sum(alone)
         for by_group, t in zip(planned(plan), alone):
-            rows.append(_equation(by_group, groups))
+            row, unprofiled = _equation(by_group, groups)
+            rows.append(row)
             times.append(t * pace)
-        factors = _solve(np.array(rows), np.array(times), groups)
+            known.append(unprofiled)
+        factors = _fit(np.array(rows), np.array(times), groups, np.array(known))[0]
         log[-1]["factors"] = [round(f, 4) for f in factors]
         plan = replan(factors)
     if judge is not None and fastest is not best and fastest.mlp_pieces != best.mlp_pieces:
@@ -158,18 +165,23 @@ def refine(plan: PartitionPlan, *, groups: int,
 def move_boundaries(plan: PartitionPlan, *, order: Sequence[str], allowed: Sequence[bool],
                     seconds: Sequence[float], measure: Callable[[PartitionPlan, list[int]], Sequence[float]],
                     cut_at: Callable[[list[int]], PartitionPlan], target: float = TARGET,
-                    moves: int = 16, paired: Paired | None = None) -> PartitionPlan:
+                    moves: int = 16, paired: Paired | None = None,
+                    starts: Sequence[int] | None = None) -> PartitionPlan:
     """See [Note: boundary moves]. ``plan``'s stages carry their measured times; ``order`` names
     the nodes in graph order, ``allowed[k]`` says whether a stage may start at node k + 1, and
     ``seconds[k]`` is node k's profiled time; ``measure(plan, stages)`` times those stages of
     ``plan``; ``cut_at(starts)`` is the plan whose stages start at those node positions;
     ``paired(plan, moved)``, where given, times every stage of both plans together and is used
-    instead of ``measure``."""
+    instead of ``measure``. ``starts``: where ``plan``'s stages start in ``order``, when that
+    graph is not the plan's own (its poolings cut finer: [Note: finer pieces])."""
     position = {name: k for k, name in enumerate(order)}
     times = [s.measured_time for s in plan.stages]
-    if any(t is None or t <= 0 for t in times) or any(n not in position for s in plan.stages for n in s.nodes):
-        return plan  # untimed, or cut inside nodes (MLP pieces): nothing to move
-    mover = _Mover(plan, [position[s.nodes[0]] for s in plan.stages], order, measure, cut_at, moves, paired)
+    if starts is None and any(n not in position for s in plan.stages for n in s.nodes):
+        return plan  # cut inside nodes (pieces) of another graph: nothing to move
+    if any(t is None or t <= 0 for t in times):
+        return plan  # untimed
+    starts = [position[s.nodes[0]] for s in plan.stages] if starts is None else list(starts)
+    mover = _Mover(plan, starts, order, measure, cut_at, moves, paired)
     prefix = np.concatenate(([0.0], np.cumsum(seconds)))
     stuck: set[int] = set()  # boundaries (between stage i and i + 1) no move improved since the last kept one
     while mover.left > 0 and max(mover.times) / (sum(mover.times) / len(mover.times)) > target:
@@ -217,7 +229,7 @@ class _Mover:
         self.tried.add(tuple(new))
         candidate = self.cut_at(new)
         self.left -= 1
-        entry: dict[str, object] = {"move": self.moves - self.left, **_pieces(self.plan)}
+        entry: dict[str, object] = {"move": 1 + sum("move" in e for e in self.log), **_pieces(candidate)}
         changed = list(range(lo, hi + 1))
         if self.paired is not None:  # both plans in one timing; the current plan's times from it
             now, timed = ([float(t) for t in ts] for ts in self.paired(self.plan, candidate))
@@ -225,13 +237,14 @@ class _Mover:
             self.times[:] = now
             for stage, t in zip(self.plan.stages, self.times):
                 stage.measured_time = t
-            entry["current"], entry["current_starts"] = now, [self.order[k] for k in self.starts]
+            entry.update(current=now, current_starts=[s.nodes[0] for s in self.plan.stages],
+                         current_pieces=self.plan.mlp_pieces or {})
         else:
             stages = changed
             timed = [float(t) for t in self.measure(candidate, stages)]
         kept = max(t for t, j in zip(timed, stages) if lo <= j <= hi) < max(self.times[j] for j in changed)
         self.log.append({**entry, "stages": stages, "measured": timed, "kept": kept,
-                         "stage_starts": [self.order[k] for k in new]})
+                         "stage_starts": [s.nodes[0] for s in candidate.stages]})
         if kept:
             for k, t in zip(stages, timed):
                 self.times[k] = t
@@ -256,9 +269,10 @@ def _pieces(plan: PartitionPlan) -> dict[str, object]:
 
 def timings(log: Sequence[dict], scale: Sequence[float] | None = None) -> list[Timing]:
     """Every stage timing in a closed loop's log (see ``Timing``; the times without ``scale``).
-    A round and a paired move time every stage of a plan, so their times are brought to the
-    first round's total; unpaired moves run under CUDA graphs, at the GPU's steady pace, and
-    time only the stages they change."""
+    A round, a paired move and a re-cut time every stage of a plan, so their times are brought
+    to the first round's total (a paired move's and a re-cut's beside the current plan's, in the
+    same timing); unpaired moves run under CUDA graphs, at the GPU's steady pace, and time only
+    the stages they change."""
     def alone(stages: Sequence[int], times: Sequence[float]) -> list[float]:
         return [t / (1.0 if scale is None else scale[i]) for i, t in zip(stages, times)]
 
@@ -270,11 +284,12 @@ def timings(log: Sequence[dict], scale: Sequence[float] | None = None) -> list[T
             times = alone(range(len(r["times"])), r["times"])
             total = sum(times) if total is None else total
             out.append((list(r["stage_starts"]), pieces, list(range(len(times))), times, total / sum(times)))
-        elif "move" in r and total is not None:
+        elif ("move" in r or "recut" in r) and total is not None:
             if "current" in r:
                 now = alone(range(len(r["current"])), r["current"])
                 pace = total / sum(now)
-                out.append((list(r["current_starts"]), pieces, list(range(len(now))), now, pace))
+                out.append((list(r["current_starts"]), dict(r.get("current_pieces", pieces)), list(range(len(now))),
+                            now, pace))
             else:
                 pace = 1.0
             out.append((list(r["stage_starts"]), pieces, list(r["stages"]), alone(r["stages"], r["measured"]), pace))
@@ -288,24 +303,28 @@ def calibrate(log: Sequence[dict], groups: int, planned: Planned,
     gives the profiled seconds by group of each stage of the plan that starts there, cut into
     those pieces, or None for a plan it cannot rebuild; ``scale``, the stage scale the times
     were taken at. None when nothing was timed."""
-    rows, times = [], []
+    rows, times, known = [], [], []
     for starts, pieces, stages, measured, pace in timings(log, scale):
         by_stage = planned(starts, pieces)
         if by_stage is None:
             continue
         for i, t in zip(stages, measured):
-            rows.append(_equation(by_stage[i], groups))
+            row, unprofiled = _equation(by_stage[i], groups)
+            rows.append(row)
             times.append(t * pace)
-    return _fit(np.array(rows), np.array(times), groups) if rows else None
+            known.append(unprofiled)
+    return _fit(np.array(rows), np.array(times), groups, np.array(known)) if rows else None
 
 
-def _equation(by_group: dict[int, float], groups: int) -> np.ndarray:
-    """A stage's row: its profiled seconds by group, and 1 for the stage's fixed time."""
+def _equation(by_group: dict[int, float], groups: int) -> tuple[np.ndarray, float]:
+    """A stage's row: its profiled seconds by group, and 1 for the stage's fixed time; and its
+    seconds known apart from the fit (``UNPROFILED``)."""
     row = np.zeros(groups + 1)
     for k, seconds in by_group.items():
-        row[k] = seconds
+        if k != UNPROFILED:
+            row[k] = seconds
     row[-1] = 1.0
-    return row
+    return row, by_group.get(UNPROFILED, 0.0)
 
 
 def _chains(starts: list[int], times: list[float], slow: int, prefix: np.ndarray,
@@ -366,18 +385,14 @@ def _moves(starts: list[int], slow: int, near: int, gap: float, slow_time: float
     return moved
 
 
-def _solve(a: np.ndarray, t: np.ndarray, groups: int) -> list[float]:
-    """Group factors g >= 0 minimising relative error, g pulled to 1, beside a fixed time."""
-    return _fit(a, t, groups)[0]
-
-
-def _fit(a: np.ndarray, t: np.ndarray, groups: int) -> tuple[list[float], float]:
-    """Group factors g >= 0 and a fixed time c >= 0 minimising relative error, g pulled to 1."""
+def _fit(a: np.ndarray, t: np.ndarray, groups: int, known: np.ndarray) -> tuple[list[float], float]:
+    """Group factors g >= 0 and a fixed time c >= 0 minimising relative error, g pulled to 1:
+    ``a @ (g, c) + known ~ t``."""
     from scipy.optimize import nnls
 
     keep = t > 0
     w = 1.0 / t[keep]
-    aw, tw = a[keep] * w[:, None], t[keep] * w
+    aw, tw = a[keep] * w[:, None], (t[keep] - known[keep]) * w
     prior = np.zeros((groups, groups + 1))
     prior[:, :groups] = np.eye(groups) * PRIOR
     sol, _ = nnls(np.vstack([aw, prior]), np.concatenate([tw, np.full(groups, PRIOR)]), maxiter=20 * (groups + 1))
