@@ -80,9 +80,13 @@ alone:
 - a plan cut inside MLPs ([Note: MLP pieces]) is moved in the graph cut into its pieces, which
   stay as they are (a boundary that leaves an MLP leaves its pieces in one stage, computed one
   after the other): on an H200, eager, ViT-B/16 at 128 images, the rounds' best plans were in
-  pieces, and no move was made on them before;
+  pieces, and no move was made on them before; a pooling cut by sample is moved cut finer
+  ([Note: finer pieces]), so that a move shifts a few of its samples;
 - the moves stop when nothing helps, at the target, or after ``moves`` timings.
-Every move is logged in ``plan.refinement`` after the rounds.
+Every move is logged in ``plan.refinement`` after the rounds. Where they stop above the target
+the graph is cut again from the whole fit ([Note: re-cut from the whole fit]), and at the
+host's pace their last plan is judged against the one they started from ([Note: the moves'
+last judge]); both in measure/__init__.py.
 
 """
 from __future__ import annotations
