@@ -21,6 +21,7 @@ import autopipe
 from autopipe.errors import ConfigError, ProfileError
 from autopipe.measure import MeasureOptions, ProfileCache, RunSetup, profile_graph, segment_starts
 from autopipe.measure import _groups, _planned
+from autopipe.measure.closed_loop import UNPROFILED
 from autopipe.measure import profile as profile_module
 from autopipe.measure.closed_loop import _chains, move_boundaries, refine
 from autopipe.partition.balance import least_imbalance
@@ -178,7 +179,7 @@ def _synthetic(traced, hidden_seed: int = 1):
     fixed = 0.05 * sum(base.values()) / 4
 
     def device(plan):
-        return [sum(hidden[k] * s for k, s in by.items()) + fixed
+        return [sum((hidden[k] if k != UNPROFILED else 1.0) * s for k, s in by.items()) + fixed
                 for by in _planned(traced, plan, measured.node_seconds, group_of)]
 
     def replan(factors, **kw):
