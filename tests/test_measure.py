@@ -432,7 +432,7 @@ def test_at_the_host_pace_the_moved_plan_is_judged_against_the_rounds_plan(monke
         return moved
 
     pairs = []
-    monkeypatch.setattr(autopipe.measure, "move_boundaries", worse)
+    monkeypatch.setattr(autopipe.measure.loop_moves, "move_boundaries", worse)
     monkeypatch.setattr(autopipe.measure, "plan_stages", lambda t, **kw: partition(t, **kw))
     monkeypatch.setattr(autopipe.measure, "time_plan", lambda t, plan, s, group=None, stages=None: true(plan))
     monkeypatch.setattr(autopipe.measure, "_time_both",

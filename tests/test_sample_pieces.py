@@ -290,7 +290,7 @@ def test_a_recut_is_timed_beside_the_plan_and_kept_only_when_faster():
     """``_recut``: the candidate is timed (paired with the current plan at the host's pace) and
     kept when its slowest stage is faster; a candidate the loop timed before is not timed again;
     the log's timings hold both plans of a paired re-cut, each with its own pieces."""
-    from autopipe.measure import _recut
+    from autopipe.measure.loop_moves import recut as _recut
     from autopipe.measure.closed_loop import timings
 
     traced = _traced(16)
@@ -321,3 +321,19 @@ def test_a_recut_is_timed_beside_the_plan_and_kept_only_when_faster():
     logged = timings(current.refinement)
     assert [t[0] for t in logged[1:]] == [[s.nodes[0] for s in current.stages], [s.nodes[0] for s in slower.stages]]
     assert logged[1][4] == pytest.approx(4.0 / 4.4)  # the current plan's pace, both plans' times at it
+
+
+def test_boundaries_inside_a_pool_cut_finer_start_only_where_the_merged_plan_can():
+    """In the graph with the pool cut finer, a stage may start at a piece, the concatenation or a
+    node of the model, never at a split's part, which the merged plan does not have."""
+    from autopipe.stages.finer_pieces import finer, startable
+
+    traced = _traced(16)
+    fine = finer({"maxpool": {"samples": [0, 6, 16]}})
+    gm = cut_mlps(traced, fine).gm
+    can = startable(gm, fine, {n.name for n in traced.gm.graph.nodes})
+    pieces = {n.name for n in gm.graph.nodes if PIECE in n.meta}
+    parts = {n.name for n in gm.graph.nodes if n.op == "call_function" and n.name not in pieces
+             and not n.meta.get(JOIN) and n.name not in {m.name for m in traced.gm.graph.nodes}}
+    assert len(pieces) == 16 and pieces <= can and parts and not parts & can
+    assert next(n.name for n in gm.graph.nodes if n.meta.get(JOIN)) in can

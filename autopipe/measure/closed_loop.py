@@ -86,7 +86,7 @@ alone:
 Every move is logged in ``plan.refinement`` after the rounds. Where they stop above the target
 the graph is cut again from the whole fit ([Note: re-cut from the whole fit]), and at the
 host's pace their last plan is judged against the one they started from ([Note: the moves'
-last judge]); both in measure/__init__.py.
+last judge]); in measure/loop_moves.py and measure/__init__.py.
 
 """
 from __future__ import annotations

@@ -25,7 +25,7 @@ import torch.fx as fx
 from .piece_meta import JOIN, PIECE, SAMPLES
 from .piece_state import normalise
 
-__all__ = ["FINER", "finer", "sample_pieces_only", "translate"]
+__all__ = ["FINER", "finer", "sample_pieces_only", "startable", "translate"]
 
 FINER = 16  # pieces a pooling cut by sample is cut into while its boundaries move
 
@@ -64,6 +64,13 @@ def _landmarks(gm: fx.GraphModule, pieces: Mapping[str, Any]) -> dict[str, tuple
             if SAMPLES in specs.get(key, {}):
                 out[n.name] = (key, specs[key][SAMPLES][-1])
     return out
+
+
+def startable(gm: fx.GraphModule, pieces: Mapping[str, Any], original: set[str]) -> set[str]:
+    """The nodes of ``gm`` (cut at ``pieces``) a stage may start at and be found in another graph
+    by ``translate``: a pooling's pieces and concatenation, and the nodes of the graph before
+    any cut (``original``)."""
+    return set(_landmarks(gm, pieces)) | {n.name for n in gm.graph.nodes if n.name in original}
 
 
 def _last(pieces: Mapping[str, Any], key: str) -> int:
