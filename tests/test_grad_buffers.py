@@ -86,3 +86,70 @@ def test_views_of_one_buffer_are_averaged_in_place_beside_gradients_copied_flat(
         assert torch.equal(got["buffer"], torch.full((17,), 1.5))  # averaged where it lies
         for g in got["grads"]:
             assert torch.equal(g, torch.full_like(g, 1.5))
+
+
+def _conv_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),
+                         nn.Flatten(), nn.Linear(8 * 8 * 8, 10))
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, 10, (8,), generator=g)) for _ in range(3)]
+
+
+def data_parallel_worker(rank: int, world_size: int) -> dict:
+    """dp=2 eager training with the default ``zero_grad()`` (gradients set to None each step) and
+    one step of two accumulated calls under ``no_sync``."""
+    import torch.nn.functional as F
+
+    import autopipe
+    from autopipe.training import gradients
+
+    flattened = []
+    flatten = gradients._flatten_dense_tensors
+    gradients._flatten_dense_tensors = lambda ts: flattened.append(len(ts)) or flatten(ts)
+    pm = autopipe.parallelize(_conv_net(), (torch.randn(4, 3, 8, 8),), loss_fn=F.cross_entropy, device="cpu",
+                              pp=1, tp=1)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    mine = slice(4 * pm.dp_rank, 4 * pm.dp_rank + 4)
+    one_buffer = []
+    for i, (x, y) in enumerate(_batches()):
+        if i == 2:
+            with pm.no_sync():
+                pm.train_step(x[mine][:2], y[mine][:2], grad_scale=0.5)
+            pm.train_step(x[mine][2:], y[mine][2:], grad_scale=0.5)
+        else:
+            pm.train_step(x[mine], y[mine])
+        one_buffer.append(flat_view([p.grad for p in pm.parameters()]) is not None)
+        pm.step(opt)
+        opt.zero_grad()
+    state = pm.full_state_dict()  # every rank takes part
+    pm.close()
+    return {"state": {k: v.clone() for k, v in state.items()} if rank == 0 else None,
+            "flattened": flattened, "one_buffer": one_buffer}
+
+
+def test_eager_data_parallel_gradients_are_views_of_one_buffer_and_train_as_one_process():
+    """The gradients of eager dp stages are made views of one buffer before every step (after
+    ``zero_grad()`` set them to None too), so the all-reduce copies nothing; training matches one
+    process on the whole batch, accumulation included."""
+    import torch.nn.functional as F
+
+    got = run_distributed(data_parallel_worker, 2, timeout=120)
+    for r in got:
+        assert r["one_buffer"] == [True, True, True] and r["flattened"] == []
+    ref = _conv_net()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for i, (x, y) in enumerate(_batches()):
+        if i == 2:  # the mean over the batch, as two halves of each replica's share accumulated
+            for half in (slice(0, 2), slice(2, 4)):
+                idx = torch.cat([torch.arange(8)[r * 4:(r + 1) * 4][half] for r in range(2)])
+                (F.cross_entropy(ref(x[idx]), y[idx]) * 0.5).backward()
+        else:
+            F.cross_entropy(ref(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got[0]["state"][k], v, rtol=1e-5, atol=1e-6)

@@ -13,6 +13,12 @@ bucket of them is one tensor already, and is divided and all-reduced where it li
 has its parameter's strides (a channels-last convolution weight gets a channels-last gradient),
 as autograd's gradient layout contract asks: a gradient laid out otherwise is added into with
 mismatched strides at every backward, and torch warns that it "may impair performance".
+
+Eager stages whose gradients are all-reduced (dp > 1) get the same layout (``GradientViews``,
+prepared before each step's backward): autograd adds into an existing ``.grad`` in place, so the
+views stay the gradients. On two gloo processes (ResNet-18, dp=2, 45 MB of gradients in 62
+tensors), the all-reduce as the runtime did it, flatten, all-reduce and copy back, took 42-90 ms
+against 31 ms for the all-reduce of one flat tensor of the same size.
 """
 from __future__ import annotations
 
@@ -20,7 +26,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["flat_gradients", "flat_view"]
+__all__ = ["GradientViews", "flat_gradients", "flat_view"]
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -65,3 +71,37 @@ def flat_view(bucket: Sequence[torch.Tensor]) -> torch.Tensor | None:
             return None
         end += g.numel()
     return first.new_empty(0).set_(storage, start, (end - start,))
+
+
+class GradientViews:
+    """``.grad`` tensors for ``params`` that are views of one buffer (``flat_gradients``), kept
+    for good: :meth:`prepare` hands each parameter its view back before a backward."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter]) -> None:
+        self.params = list(dict.fromkeys(p for p in params if p.requires_grad))  # tied ones once
+        self.views = flat_gradients(self.params) if self.params else []
+
+    def prepare(self) -> None:
+        """Every parameter's ``.grad`` is its view again, holding the gradient it had (zero where
+        it had none: ``zero_grad()`` sets them to None by default)."""
+        with torch.no_grad():
+            if all(p.grad is None for p in self.params):
+                for flat in {v.untyped_storage().data_ptr(): v for v in self.views}.values():
+                    _whole(flat).zero_()  # one pass per buffer, not one per gradient
+                for p, kept in zip(self.params, self.views):
+                    p.grad = kept
+                return
+            for p, kept in zip(self.params, self.views):
+                if p.grad is kept:
+                    continue
+                if p.grad is None:
+                    kept.zero_()
+                else:
+                    kept.copy_(p.grad)
+                p.grad = kept
+
+
+def _whole(view: torch.Tensor) -> torch.Tensor:
+    """The whole flat buffer ``view`` lies in."""
+    storage = view.untyped_storage()
+    return view.new_empty(0).set_(storage, 0, (storage.nbytes() // view.element_size(),))

@@ -44,7 +44,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn as nn
 
-from autopipe.runtime.grad_buffers import flat_gradients
+from autopipe.runtime.grad_buffers import GradientViews
 from autopipe.runtime.p2p import TensorSpec
 from autopipe.runtime.warmup import stand_in_inputs
 
@@ -153,10 +153,10 @@ class StageGraphs:
         self._slots: list[_Captured] = []
         buffers = list(stage.buffers())
         saved = [b.clone() for b in buffers]
-        self._params = [p for p in stage.parameters() if p.requires_grad]
         # One buffer, so that the dp all-reduce takes them where they lie: [Note: gradients as
         # views of one buffer] in runtime/grad_buffers.py.
-        self._grads = flat_gradients(self._params) if self._params else []
+        self._views = GradientViews(list(stage.parameters()))
+        self._params, self._grads = self._views.params, self._views.views
         for p, g in zip(self._params, self._grads):
             p.grad = g
         self._anchor = torch.zeros((), device=device, requires_grad=bool(self._params))
@@ -183,15 +183,7 @@ class StageGraphs:
     def prepare_grads(self) -> None:
         """Gives every parameter back the ``.grad`` tensor the backward graphs add into, holding
         the gradient it had (zero where it had none); see [Note: gradients inside the graph]."""
-        with torch.no_grad():
-            for p, kept in zip(self._params, self._grads):
-                if p.grad is kept:
-                    continue
-                if p.grad is None:
-                    kept.zero_()
-                else:
-                    kept.copy_(p.grad)
-                p.grad = kept
+        self._views.prepare()
 
     def forward(self, *inputs: torch.Tensor) -> tuple[int, tuple[torch.Tensor, ...]]:
         """Replays a free slot's forward; returns the slot (for :meth:`release`) and copies of

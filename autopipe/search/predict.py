@@ -227,9 +227,10 @@ def predict(graph: GraphCosts, layout: Layout, pricing: Pricing, *, timeline: bo
             for r in range(layout.pp))
     most = max(params)
     bandwidth = pricing.profile.mem_bandwidth
-    # The runtime all-reduces flat buckets: the gradients are copied in, divided and copied
-    # back, six passes over them (on a CPU, 45 MB of ResNet-18 gradients take 30-40 ms so).
-    all_reduce = link.all_reduce(grad_bytes, layout.dp) + (6 * grad_bytes / bandwidth if layout.dp > 1 else 0.0)
+    # The runtime all-reduces the gradients where they lie, views of one buffer ([Note:
+    # gradients as views of one buffer] in runtime/grad_buffers.py), and divides them there:
+    # two passes over them.
+    all_reduce = link.all_reduce(grad_bytes, layout.dp) + (2 * grad_bytes / bandwidth if layout.dp > 1 else 0.0)
     per_tensor = max(tensors) * pricing.tensor_overhead
     optimizer = most * pricing.optimizer_bytes / bandwidth + per_tensor
     casts = most * (4 + pricing.weight_cast_bytes) / bandwidth if pricing.weight_cast_bytes else 0.0

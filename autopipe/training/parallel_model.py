@@ -187,6 +187,7 @@ class ParallelModel:
         self._check_split(inputs, training=True)
         self._runtime.grad_scale = float(grad_scale)
         self._refresh_weight_casts()
+        self._runtime.prepare_gradients()
         norms = self._runtime.batchnorm  # see [Note: deferred batch norm]
         with self._monitor.guard():
             try:

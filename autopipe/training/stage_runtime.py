@@ -14,6 +14,7 @@ from ..failure.monitor import FailureMonitor
 from ..partition.plan import PartitionPlan
 from ..runtime.batchnorm import BatchNormStats
 from ..runtime.driver import PipelineDriver, StageSet
+from ..runtime.grad_buffers import GradientViews
 from ..memory_format import boundary_layout, channels_last_model
 from ..runtime.p2p import TensorSpec
 from ..runtime.preparation import prepare_stage
@@ -74,6 +75,17 @@ class StageRuntime:
     driver: PipelineDriver = field(init=False)
     grad_scale: float = field(default=1.0, init=False)  # the current train_step's grad_scale
     _channels_last: bool = field(default=False, init=False)  # the model's inputs travel in channels-last
+    _gradient_views: GradientViews | None = field(default=None, init=False)
+
+    def prepare_gradients(self) -> None:
+        """Before a step's backward: where the gradients are all-reduced over dp replicas and no
+        CUDA graph holds them already, they are made views of one buffer again, which the
+        all-reduce takes where they lie ([Note: gradients as views of one buffer])."""
+        if self.mesh.dims.dp == 1 or self.cuda_graphs:
+            return
+        if self._gradient_views is None:
+            self._gradient_views = GradientViews([p for i in sorted(self.stages) for p in self.stages[i].parameters()])
+        self._gradient_views.prepare()
 
     def _spec(self, shape: Any, dtype: torch.dtype, traced: Any = None) -> TensorSpec:
         """A boundary tensor's spec, in the layout its ``traced`` value was made in
