@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autopipe.runtime.grad_buffers import flat_gradients, flat_view
+from autopipe.runtime.grad_buffers import GradientViews, flat_gradients, flat_view
 from autopipe.training.gradients import average_gradients
 from tests.distributed import run_distributed
 
@@ -61,6 +61,27 @@ def test_gradients_not_back_to_back_are_not_one_tensor():
     assert flat_view([views[0][:, ::2]]) is None  # not dense (a transposed view is: it lies back to back)
     alone = torch.arange(6.0)
     assert torch.equal(flat_view([alone]), alone)
+
+
+def test_prepared_gradients_are_their_views_again_holding_what_they_had():
+    params = _params()
+    views = GradientViews(params + [params[0]])  # a tied parameter once
+    assert views.params == params
+    views.prepare()  # every gradient None: one zeroing pass over each buffer
+    assert all(p.grad is v for p, v in zip(params, views.views)) and not any(v.any() for v in views.views)
+    params[0].grad.fill_(1.0)  # kept: left as it is
+    params[1].grad = torch.full((5,), 2.0)  # replaced: copied in
+    params[3].grad = None  # set to None alone: zeroed alone
+    views.views[3].fill_(7.0)
+    views.prepare()
+    assert all(p.grad is v for p, v in zip(params, views.views))
+    assert torch.equal(params[0].grad, torch.ones(3, 4)) and torch.equal(params[1].grad, torch.full((5,), 2.0))
+    assert not params[3].grad.any()
+    for p in params:
+        p.grad = None
+    views.views[1].fill_(3.0)
+    views.prepare()
+    assert not any(v.any() for v in views.views)
 
 
 def average_worker(rank: int, world_size: int) -> dict:

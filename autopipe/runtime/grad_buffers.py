@@ -80,14 +80,15 @@ class GradientViews:
     def __init__(self, params: Sequence[torch.nn.Parameter]) -> None:
         self.params = list(dict.fromkeys(p for p in params if p.requires_grad))  # tied ones once
         self.views = flat_gradients(self.params) if self.params else []
+        self._buffers = [_whole(v) for v in {v.untyped_storage().data_ptr(): v for v in self.views}.values()]
 
     def prepare(self) -> None:
         """Every parameter's ``.grad`` is its view again, holding the gradient it had (zero where
         it had none: ``zero_grad()`` sets them to None by default)."""
         with torch.no_grad():
             if all(p.grad is None for p in self.params):
-                for flat in {v.untyped_storage().data_ptr(): v for v in self.views}.values():
-                    _whole(flat).zero_()  # one pass per buffer, not one per gradient
+                for flat in self._buffers:  # one pass per buffer, not one per gradient
+                    flat.zero_()
                 for p, kept in zip(self.params, self.views):
                     p.grad = kept
                 return
