@@ -111,7 +111,9 @@ def run_case(name: str, traced: Any, mb: int, mode: str, layouts: tuple, reps: i
             times, each = _timed(traced, plan, setup, retimes)
             row[kind] = {"modelled_ms": [s.compute_time * 1e3 for s in plan.stages],
                          "measured_ms": [t * 1e3 for t in times], "modelled_imbalance": plan.imbalance,
-                         "measured_imbalance": _imbalance(times), "timings": each}
+                         "measured_imbalance": _imbalance(times), "timings": each,
+                         # for fit_eager_host.py: where the stages start, in the graph cut into the plan's pieces
+                         "stage_starts": [st.nodes[0] for st in plan.stages], "mlp_pieces": plan.mlp_pieces}
         if measured is not None:
             begin = time.perf_counter()
             plan = measured_plan(traced, setup, dict(args, device=calibrated), measured=measured,

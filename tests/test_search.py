@@ -560,13 +560,13 @@ def test_costs_priced_in_one_pass_equal_the_profiles_node_time():
     from autopipe.partition.device import PROFILES
 
     graph = GraphCosts(_vit_graph(), 2)
+    # h100's eager nodes are priced alone, h200's through the launch queue.
     for profile in (PROFILES["h100"].with_mode("eager"), PROFILES["h100"].with_mode("compiled"),
-                    PROFILES["h100"].with_mode("graphs"),
+                    PROFILES["h100"].with_mode("graphs"), PROFILES["h200"].with_mode("eager"),
                     dataclasses.replace(PROFILES["h100"], calibration=None), PROFILES["cpu"]):
         for size in (2, 16):
             fwd, bwd = graph.node_times(size, profile)
-            want_f = [profile.node_time(scaled(c, size / 2)) for c in graph.costs]
-            want_b = [profile.node_time(scaled(c, size / 2), backward=True) for c in graph.costs]
+            want_f, want_b = zip(*profile.node_times([scaled(c, size / 2) for c in graph.costs]))
             assert fwd.tolist() == pytest.approx(want_f, rel=1e-9, abs=1e-15)
             assert bwd.tolist() == pytest.approx(want_b, rel=1e-9, abs=1e-15)
 

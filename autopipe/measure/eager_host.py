@@ -24,13 +24,18 @@ from an idle device; a node's price is how far it moves the later of the two clo
 prices of a segment add up to its replay exactly, so they are what the balancer cuts by; a
 stage cut elsewhere starts from an idle device, which its nodes' prices miss only by the
 backlog at its edges. The two host figures are fitted per profile on its own segment timings
-(``fit_launch_costs``), so the host the profile ran on sets them.
+(``fit_launch_costs``), so the host the profile ran on sets them. The analytic model replays
+its own kernel prices the same way where its table was fitted so (partition/launch_queue.py,
+``Calibration.launch_queue``): one host time per kernel and per view, fitted on timed stages by
+benchmarks/fit_eager_host.py.
 """
 from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
 from typing import Mapping, Sequence
+
+from autopipe.partition.launch_queue import queue_steps
 
 __all__ = ["LaunchCosts", "NodeWork", "queue_prices", "fit_launch_costs", "PER_KERNEL_GRID", "PER_NODE_GRID"]
 
@@ -122,13 +127,5 @@ def _passes(nodes: Sequence[str], work: Mapping[str, NodeWork]) -> list[tuple[st
 
 def _replay(passes: Sequence[tuple[str, float, int, bool]], launch: LaunchCosts) -> list[tuple[str, float]]:
     """How far each step of ``passes`` moves the later of the host's and the device's clock."""
-    host = device = clock = 0.0
-    steps = []
-    for name, seconds, kernels, works in passes:
-        host += launch.host(kernels, works)
-        if seconds > 0:
-            device = max(device, host) + seconds
-        later = max(host, device)
-        steps.append((name, later - clock))
-        clock = later
-    return steps
+    steps = queue_steps((launch.host(kernels, works), seconds) for _, seconds, kernels, works in passes)
+    return [(p[0], step) for p, step in zip(passes, steps)]

@@ -29,8 +29,14 @@ kernel's, and the gap before the next; what CUDA graph replays still pay (Effici
 squeeze-excite convolutions, a few thousand FLOPs each, take 10-15 us on an H100). Then the
 host time each launched node costs in eager mode (Python, dispatch, launch; forward and
 autograd backward) and the fixed time of a stage in each mode (its first launch, autograd's
-start). In eager mode a node takes the longer of its
-GPU time and its host time, since the host runs ahead of the device where it can.
+start). In eager mode the host runs ahead of the device where it can: a table fitted so
+(``launch_queue``) replays a stage's kernels through the launch queue ([Note: eager launch
+queue] in measure/eager_host.py), a view costing the host ``view_host``; in an older table a
+node takes the longer of its GPU time and its host time. On an H200, fitted on 140 timed
+eager stages of four models' analytic plans (benchmarks/fit_eager_host.py), the queue prices
+122 of them within 10% (mean error 5.6%; 13.4% for a model left out of the fit), node by node
+46 (15.3%): ResNet-152's layer-3 stages at 128 images, host-bound node by node, ran at 0.73x
+their price.
 
 [Note: monotone in bytes]
 A class by bytes has its own factor in each bucket, and small kernels run further below the
@@ -243,6 +249,11 @@ class Calibration:
     gap: dict[str, float] = field(default_factory=dict)
     # kernel shape -> (fwd, bwd) measured GPU seconds, 0 where its class prices it ([Note: kernels off their class])
     kernels: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # Whether ``host`` was fitted through the launch queue, and eager stages are priced so
+    # ([Note: eager launch queue] in measure/eager_host.py); older tables price an eager node
+    # as the larger of its device and host time.
+    launch_queue: bool = False
+    view_host: tuple[float, float] = (0.0, 0.0)  # host seconds per view in eager mode (fwd, bwd), with the queue
     schema: int = SCHEMA_VERSION
 
     def gpu_time(self, cost: NodeCost, *, compute: float, bandwidth: float, backward: bool,
@@ -327,9 +338,13 @@ class Calibration:
             kernels = {str(k): (float(v[0]), float(v[1])) for k, v in data.get("kernels", {}).items()}
             if not all(math.isfinite(x) and x >= 0 for v in kernels.values() for x in v):
                 raise ValueError("negative or non-finite kernel seconds")
+            view_host = tuple(map(float, data.get("view_host", (0.0, 0.0))))
+            if len(view_host) != 2 or not all(math.isfinite(x) and x >= 0 for x in view_host):
+                raise ValueError(f"view_host must be two non-negative seconds, got {data.get('view_host')!r}")
             return cls(str(data["device"]), factors, tuple(map(float, data["launch"])),
                        tuple(map(float, data["host"])), {str(k): float(v) for k, v in data.get("stage", {}).items()},
-                       dict(data.get("fit", {})), launches, boundary, gap, kernels)
+                       dict(data.get("fit", {})), launches, boundary, gap, kernels,
+                       launch_queue=bool(data.get("launch_queue", False)), view_host=view_host)
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise ConfigError(f"not a calibration table: {exc}") from exc
 

@@ -19,6 +19,7 @@ from torch.fx.node import map_aggregate
 from autopipe.errors import ConfigError
 from autopipe.partition.calibration import Calibration, load_calibration
 from autopipe.partition.cost import FREE_KINDS, MATMUL_KINDS, NodeCost
+from autopipe.partition.launch_queue import analytic_queue_times
 
 __all__ = ["DeviceProfile", "PROFILES", "EXECUTION_MODES", "execution_mode", "get_profile", "measure_profile",
            "measure_node_times"]
@@ -60,10 +61,24 @@ class DeviceProfile:
         Views and non-tensor nodes launch nothing and take 0 s. A composite module is the sum
         of its inner kernels, each on its own units ([Note: composite modules] in cost.py).
         With a calibration, the roofline is scaled by the kernel's fitted factor and the launch
-        priced by the execution mode ([Note: calibrated roofline] in calibration.py).
+        priced by the execution mode ([Note: calibrated roofline] in calibration.py). This is
+        the node alone; ``node_times`` prices a graph's nodes together, as a stage runs them.
         """
         if c.parts:
             return sum(self.node_time(p, backward=backward) for p in c.parts)
+        gpu = self.kernel_time(c, backward=backward)
+        if gpu == 0.0 or self.calibration is None:
+            return gpu
+        if self.mode not in ("eager", "compiled"):
+            return gpu + self.calibration.gap_time(self.mode)
+        host = self.calibration.host[int(backward)]
+        if self.mode == "compiled" and c.kind not in MATMUL_KINDS:
+            host *= COMPILED_FUSION  # See [Note: compiled pricing].
+        return max(gpu, host)
+
+    def kernel_time(self, c: NodeCost, *, backward: bool = False) -> float:
+        """The device seconds of one kernel (a node without ``parts``), launch included; 0 for a
+        node that launches nothing. Uncalibrated, the roofline plus ``op_overhead``."""
         flops, nbytes = (c.bwd_flops, c.bwd_bytes) if backward else (c.fwd_flops, c.fwd_bytes)
         if c.kind in FREE_KINDS or (flops == 0 and nbytes == 0):
             return 0.0
@@ -72,11 +87,20 @@ class DeviceProfile:
             return max(flops / peak, nbytes / self.mem_bandwidth) + self.op_overhead
         gpu = self.calibration.gpu_time(c, compute=flops / peak, bandwidth=self.mem_bandwidth, backward=backward,
                                         vector=flops / self.vector_flops)
-        host = self.calibration.host[int(backward)]
         if self.mode.startswith("compiled") and c.kind not in MATMUL_KINDS:
-            # See [Note: compiled pricing]: the memory-bound kernels between GEMMs fuse.
-            gpu, host = gpu * COMPILED_FUSION, host * COMPILED_FUSION
-        return max(gpu, host) if self.mode in ("eager", "compiled") else gpu + self.calibration.gap_time(self.mode)
+            gpu *= COMPILED_FUSION  # See [Note: compiled pricing]: the memory-bound kernels between GEMMs fuse.
+        return gpu
+
+    def node_times(self, costs: Sequence[NodeCost]) -> list[tuple[float, float]]:
+        """(forward, backward) seconds of each of ``costs``, a graph's nodes in graph order, as a
+        stage runs them: eager stages under a table fitted through the launch queue
+        (``Calibration.launch_queue``) replay their kernels through it, the host's work hiding
+        under long kernels ([Note: eager launch queue] in measure/eager_host.py); otherwise
+        each node as ``node_time`` prices it alone."""
+        cal = self.calibration
+        if self.mode == "eager" and cal is not None and cal.launch_queue:
+            return analytic_queue_times(costs, lambda k, b: self.kernel_time(k, backward=b), cal.host, cal.view_host)
+        return [(self.node_time(c), self.node_time(c, backward=True)) for c in costs]
 
     def with_mode(self, mode: str) -> DeviceProfile:
         """This profile for stages run in ``mode`` (one of EXECUTION_MODES)."""

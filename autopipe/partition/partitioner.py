@@ -147,8 +147,8 @@ def partition_at(traced: TracedModel, starts: Sequence[int], *, device: str | De
 def analytic_seconds(traced: TracedModel, device: str | DeviceProfile) -> dict[str, float]:
     """Forward + backward seconds of every node by the analytic model of ``device``."""
     profile = get_profile(device)
-    return {name: profile.node_time(c) + profile.node_time(c, backward=True)
-            for name, c in graph_costs(traced.gm).items()}
+    costs = graph_costs(traced.gm)
+    return {name: f + b for name, (f, b) in zip(costs, profile.node_times(list(costs.values())))}
 
 
 def _partition(
@@ -178,7 +178,7 @@ def _partition(
     # In-flight micro-batches bound activation memory: m for GPipe, about pp for 1F1B.
     in_flight = microbatches if schedule == "gpipe" else min(microbatches, pp * chunks)
     order = [n.name for n in nodes]
-    analytic = [profile.node_time(costs[n]) + profile.node_time(costs[n], backward=True) for n in order]
+    analytic = [f + b for f, b in profile.node_times([costs[n] for n in order])]
     compute = analytic if node_seconds is None else [node_seconds.get(n, t) for n, t in zip(order, analytic)]
     if tp > 1:  # the tensor-parallel collectives the shard rewrite inserted
         for i, node in enumerate(nodes):

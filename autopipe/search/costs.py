@@ -20,6 +20,7 @@ from autopipe.partition.calibration import (BYTE_BOUNDS, BYTE_LABELS, BYTE_LIMIT
                                             launched)
 from autopipe.partition.cost import MATMUL_KINDS, NodeCost, graph_costs, training_state_bytes
 from autopipe.partition.device import COMPILED_FUSION, DeviceProfile
+from autopipe.partition.launch_queue import queue_steps
 from autopipe.partition.measured import MeasuredCosts
 from autopipe.partition.cuts import cut_candidates, cut_dag
 from autopipe.shard.collectives import COLLECTIVES, RING_UNITS
@@ -122,6 +123,7 @@ class GraphCosts:
                     recompute: bool = False) -> tuple[np.ndarray, np.ndarray]:
         ratio = size / self.reference_size
         k = self._kernels
+        queued = profile.mode == "eager" and profile.calibration is not None and profile.calibration.launch_queue
         out = []
         for d in (0, 1):
             flops = k.flops[d] * ratio
@@ -139,16 +141,36 @@ class GraphCosts:
                 if profile.mode.startswith("compiled"):
                     fused = np.where(k.matmul, 1.0, COMPILED_FUSION)
                     seconds, host = seconds * fused, host * fused
-                if profile.mode in ("eager", "compiled"):
+                if profile.mode == "compiled" or (profile.mode == "eager" and not queued):
                     seconds = np.maximum(seconds, host)
-                else:
+                elif profile.mode != "eager":
                     seconds = seconds + cal.gap_time(profile.mode)
             seconds = np.where((flops > 0) | (nbytes > 0), seconds, 0.0)
-            out.append(np.bincount(k.node, weights=seconds, minlength=len(self.costs)))
-        fwd, bwd = out
+            out.append(seconds)
+        if queued:  # the kernels' device times through the launch queue, as DeviceProfile.node_times
+            fwd, bwd = self._queued(out[0], out[1], profile.calibration)
+        else:
+            fwd, bwd = (np.bincount(k.node, weights=seconds, minlength=len(self.costs)) for seconds in out)
         if measured is not None:
             fwd, bwd = self._from_measured(measured, size, profile, fwd, bwd, self.fixed[recompute])
         return fwd, bwd
+
+    def _queued(self, fwd: np.ndarray, bwd: np.ndarray, cal: Calibration) -> tuple[np.ndarray, np.ndarray]:
+        """Each node's forward and backward seconds when its kernels (device seconds ``fwd`` and
+        ``bwd``, one per kernel) and its views run through the launch queue: the forward in graph
+        order, the backward in reverse (``analytic_queue_times`` over the kernel table)."""
+        # kernels and views in launch order: (node, kernel row or -1 for a view)
+        launches = sorted([(int(n), j) for j, n in enumerate(self._kernels.node)]
+                          + [(i, -1) for i, c in enumerate(self.costs) if c.kind == "view"])
+        out = []
+        for d, seconds in ((0, fwd), (1, bwd)):
+            order = launches if d == 0 else launches[::-1]
+            kept = [(n, (cal.view_host[d], 0.0) if j < 0 else (cal.host[d], float(seconds[j]))) for n, j in order
+                    if (seconds[j] > 0 if j >= 0 else cal.view_host[d] > 0)]
+            prices = queue_steps(step for _, step in kept)
+            out.append(np.bincount(np.array([n for n, _ in kept], dtype=int), weights=prices,
+                                   minlength=len(self.costs)))
+        return out[0], out[1]
 
     def _per_kernel(self, cal: Calibration, direction: int, ratio: float) -> tuple[np.ndarray, ...]:
         """Each kernel's launch time, vector-arithmetic factor ([Note: depthwise arithmetic]) and

@@ -1,0 +1,185 @@
+"""Fit a calibration table's eager host terms to eager stages timed on the GPU.
+
+The analytic model prices an eager stage by replaying its kernels through the launch queue
+([Note: eager launch queue] in autopipe/measure/eager_host.py): each kernel costs the host
+``host`` seconds (forward, backward), each view ``view_host``, and a stage its fixed
+``stage["eager"]``. The kernels' device times come from the table. This script fits those host
+terms on stages as they ran: the analytic plans that ``benchmarks/measured_balance.py --plans
+analytic --modes eager`` timed, whose rows keep each stage's first node (``stage_starts``) and
+the pieces the plan cut nodes into (``mlp_pieces``). Each model is traced again here (no GPU
+needed), cut into those pieces, and its stages replayed.
+
+    python benchmarks/fit_eager_host.py benchmarks/results/2026-11-28-h200-analytic-plans-eager-node-by-node.json \
+        --name h200 [--write]
+
+Prints the error of the table as it is, of the fit in sample, and leaving each model out of the
+fit in turn (the error a model the fit has not seen carries); with ``--write`` the fitted terms
+go into autopipe/partition/calibration/NAME.json (``launch_queue`` set).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from autopipe.models import default_input, load_model  # noqa: E402
+from autopipe.partition.calibration import CALIBRATION_DIR  # noqa: E402
+from autopipe.partition.cost import graph_costs  # noqa: E402
+from autopipe.partition.device import PROFILES  # noqa: E402
+from autopipe.partition.launch_queue import queue_steps  # noqa: E402
+from autopipe.stages import cut_mlps  # noqa: E402
+from autopipe.tracer import trace  # noqa: E402
+
+US = 1e-6
+# Starting points, in microseconds: host per kernel (fwd, bwd), per view (fwd, bwd).
+STARTS = ((30.0, 30.0, 10.0, 0.0), (50.0, 50.0, 0.0, 0.0), (20.0, 60.0, 20.0, 5.0), (60.0, 20.0, 5.0, 0.0))
+
+
+@dataclasses.dataclass
+class Stage:
+    model: str
+    microbatch: int
+    kernels: list[tuple[bool, float, float]]  # in graph order: (is a view, device fwd s, device bwd s)
+    measured: float  # seconds, forward + backward, as timed
+    table_price: float  # seconds, as the table prices it today
+
+
+def stages_of(paths: list[str], name: str) -> list[Stage]:
+    """The timed eager stages of the analytic plans in ``paths``, each with its kernels' device
+    times under table ``name``."""
+    profile = PROFILES[name].with_mode("eager")
+    out: list[Stage] = []
+    traced_by: dict[tuple, Any] = {}
+    for path in paths:
+        with open(path) as fh:
+            data = json.load(fh)
+        layout = bool(data.get("channels_last"))
+        for row in data["rows"]:
+            plan = row.get("analytic")
+            if row.get("mode") != "eager" or not plan or "stage_starts" not in plan:
+                continue
+            key = (row["model"], row["microbatch"], layout)
+            if key not in traced_by:
+                traced_by.clear()  # one model held at a time
+                model = load_model(f"timm:{row['model']}")
+                example = default_input(model, row["microbatch"])
+                if layout:
+                    model = model.to(memory_format=torch.channels_last)
+                    example = example.contiguous(memory_format=torch.channels_last)
+                traced_by[key] = trace(model, (example,))
+            traced = traced_by[key]
+            gm = (cut_mlps(traced, plan["mlp_pieces"]) if plan.get("mlp_pieces") else traced).gm
+            costs = graph_costs(gm)
+            order = [n.name for n in gm.graph.nodes if n.op != "output"]
+            starts = [order.index(n) for n in plan["stage_starts"]] + [len(order)]
+            for i, (a, b) in enumerate(zip(starts, starts[1:])):
+                kernels = []
+                for n in order[a:b]:
+                    c = costs[n]
+                    kernels += [(False, profile.kernel_time(p), profile.kernel_time(p, backward=True))
+                                for p in (c.parts or (c,))]
+                    if c.kind == "view":
+                        kernels.append((True, 0.0, 0.0))
+                out.append(Stage(row["model"], row["microbatch"], kernels, plan["measured_ms"][i] * 1e-3,
+                                 plan["modelled_ms"][i] * 1e-3))
+    return out
+
+
+def replay(stage: Stage, terms: tuple[float, ...]) -> float:
+    """The stage's seconds through the launch queue, without its fixed cost; ``terms`` in us."""
+    total = 0.0
+    for d, kernels in ((0, stage.kernels), (1, stage.kernels[::-1])):
+        steps = [(terms[2 + d] * US, 0.0) if view else (terms[d] * US, (f, b)[d]) for view, f, b in kernels
+                 if (terms[2 + d] > 0 if view else (f, b)[d] > 0)]
+        total += sum(queue_steps(steps))
+    return total
+
+
+def errors(stages: list[Stage], terms: tuple[float, ...], fixed: float) -> np.ndarray:
+    return np.array([(replay(s, terms) + fixed) / s.measured - 1 for s in stages])
+
+
+def fit(stages: list[Stage]) -> tuple[tuple[float, ...], float]:
+    """The host terms (us) and the stage's fixed seconds of least mean relative error."""
+    from scipy.optimize import minimize
+
+    def loss(x: np.ndarray) -> float:
+        if (x < 0).any():
+            return 1e3 + float(-x[x < 0].sum())
+        replayed = [replay(s, tuple(x)) for s in stages]
+        fixed = max(statistics.median(s.measured - r for s, r in zip(stages, replayed)), 0.0)
+        return float(np.mean([abs(r + fixed - s.measured) / s.measured for s, r in zip(stages, replayed)]))
+
+    # The loss has flat stretches (a host term that never binds) and local minima: several starts.
+    found = [minimize(loss, np.array(x0), method="Nelder-Mead", options={"xatol": 0.2, "fatol": 1e-5, "maxiter": 600})
+             for x0 in STARTS]
+    terms = tuple(float(max(v, 0.0)) for v in min(found, key=lambda r: r.fun).x)
+    fixed = max(statistics.median(s.measured - replay(s, terms) for s in stages), 0.0)
+    return terms, fixed
+
+
+def summary(err: np.ndarray) -> dict[str, float]:
+    a = np.abs(err)
+    return {"stages": int(len(a)), "mean": float(a.mean()), "median": float(np.median(a)),
+            "p90": float(np.percentile(a, 90)), "within_10pct": int((a < 0.10).sum())}
+
+
+def _line(label: str, s: dict[str, float]) -> str:
+    return (f"{label:34s} mean {s['mean']:.3f}  median {s['median']:.3f}  p90 {s['p90']:.3f}  "
+            f"within 10% {s['within_10pct']}/{s['stages']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results", nargs="+", help="measured_balance.py results with eager analytic plans")
+    parser.add_argument("--name", required=True, help="the device profile whose table is fitted (h100, h200)")
+    parser.add_argument("--write", action="store_true", help="write the fitted terms into the table")
+    args = parser.parse_args(argv)
+    if args.name not in PROFILES:
+        raise SystemExit(f"--name {args.name!r} is not a device profile; one of {sorted(PROFILES)}")
+    stages = stages_of(args.results, args.name)
+    if not stages:
+        raise SystemExit("no eager analytic plan with stage_starts in the results given")
+    as_is = summary(np.array([s.table_price / s.measured - 1 for s in stages]))
+    terms, fixed = fit(stages)
+    in_sample = summary(errors(stages, terms, fixed))
+    left_out: list[float] = []
+    by_model: dict[str, float] = {}
+    for model in sorted({s.model for s in stages}):
+        t, f = fit([s for s in stages if s.model != model])
+        err = errors([s for s in stages if s.model == model], t, f)
+        left_out += list(err)
+        by_model[model] = float(np.mean(np.abs(err)))
+    loo = summary(np.array(left_out))
+    print(_line("the table as it is", as_is))
+    print(_line("queue, fitted, in sample", in_sample))
+    print(_line("queue, each model left out", loo) + "  " + " ".join(f"{k}={v:.3f}" for k, v in by_model.items()))
+    print("host per kernel fwd %.1f us bwd %.1f us; per view fwd %.1f us bwd %.1f us; stage %.0f us"
+          % (*terms, fixed / US))
+    if args.write:
+        path = os.path.join(CALIBRATION_DIR, f"{args.name}.json")
+        with open(path) as fh:
+            table = json.load(fh)
+        table.update(launch_queue=True, host=[terms[0] * US, terms[1] * US], view_host=[terms[2] * US, terms[3] * US])
+        table.setdefault("stage", {})["eager"] = fixed
+        table.setdefault("fit", {})["eager_host"] = {
+            "how": "benchmarks/fit_eager_host.py: eager stages of analytic plans replayed through the launch queue",
+            "results": [os.path.basename(p) for p in args.results], "models": sorted(by_model),
+            "error_before": as_is, "error_in_sample": in_sample, "error_leave_one_model_out": loo}
+        with open(path, "w") as fh:
+            json.dump(table, fh, indent=1, sort_keys=True)
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
