@@ -14,12 +14,15 @@ needed), cut into those pieces, and its stages replayed.
 
 Prints the error of the table as it is, of the fit in sample, and leaving each model out of the
 fit in turn (the error a model the fit has not seen carries); with ``--write`` the fitted terms
-go into autopipe/partition/calibration/NAME.json (``launch_queue`` set).
+go into autopipe/partition/calibration/NAME.json (``launch_queue`` set). With ``--launch-counts
+ROWS...`` a second model is fitted and reported beside it: a host time per node plus one per
+kernel launched, the kernels a node of each class family launches counted in calibration rows.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gzip
 import json
 import os
 import statistics
@@ -32,7 +35,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from autopipe.models import default_input, load_model  # noqa: E402
-from autopipe.partition.calibration import CALIBRATION_DIR  # noqa: E402
+from autopipe.partition.calibration import CALIBRATION_DIR, class_of  # noqa: E402
 from autopipe.partition.cost import graph_costs  # noqa: E402
 from autopipe.partition.device import PROFILES  # noqa: E402
 from autopipe.partition.launch_queue import queue_steps  # noqa: E402
@@ -40,22 +43,41 @@ from autopipe.stages import cut_mlps  # noqa: E402
 from autopipe.tracer import trace  # noqa: E402
 
 US = 1e-6
-# Starting points, in microseconds: host per kernel (fwd, bwd), per view (fwd, bwd).
+# Starting points, in microseconds: host per kernel (fwd, bwd), per view (fwd, bwd) and, for the
+# model with counted launches, per node (fwd, bwd).
 STARTS = ((30.0, 30.0, 10.0, 0.0), (50.0, 50.0, 0.0, 0.0), (20.0, 60.0, 20.0, 5.0), (60.0, 20.0, 5.0, 0.0))
+COUNTED_STARTS = ((5.0, 5.0, 10.0, 0.0, 20.0, 20.0), (10.0, 10.0, 20.0, 0.0, 10.0, 10.0), (2.0, 8.0, 10.0, 0.0, 30.0, 10.0))
 
 
 @dataclasses.dataclass
 class Stage:
     model: str
     microbatch: int
-    kernels: list[tuple[bool, float, float]]  # in graph order: (is a view, device fwd s, device bwd s)
+    # in graph order: (is a view, device fwd s, device bwd s, launches fwd, launches bwd, a node's first)
+    kernels: list[tuple[bool, float, float, float, float, bool]]
     measured: float  # seconds, forward + backward, as timed
     table_price: float  # seconds, as the table prices it today
 
 
-def stages_of(paths: list[str], name: str) -> list[Stage]:
+def launch_counts(rows: list[str]) -> dict[str, tuple[float, float]]:
+    """The kernels a node of each class family launches, forward and backward, on average over
+    calibration rows (``calibrate_device.py collect``; the profiler's count, small kernels too)."""
+    sums: dict[str, list[float]] = {}
+    for path in rows:
+        with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as fh:
+            for r in json.load(fh)["nodes"]:
+                if r["fwd"]["features"]:
+                    acc = sums.setdefault(sorted(r["fwd"]["features"])[0].split("/")[0], [0, 0.0, 0.0])
+                    acc[0] += 1
+                    acc[1] += r["fwd"].get("kernels_seen", 1)
+                    acc[2] += r["bwd"].get("kernels_seen", 1)
+    return {k: (f / n, b / n) for k, (n, f, b) in sums.items()}
+
+
+def stages_of(paths: list[str], name: str, counts: dict[str, tuple[float, float]] | None = None) -> list[Stage]:
     """The timed eager stages of the analytic plans in ``paths``, each with its kernels' device
-    times under table ``name``."""
+    times under table ``name`` and, with ``counts`` (``launch_counts``), the kernels each
+    launches by its class family (else one)."""
     profile = PROFILES[name].with_mode("eager")
     out: list[Stage] = []
     traced_by: dict[tuple, Any] = {}
@@ -85,21 +107,25 @@ def stages_of(paths: list[str], name: str) -> list[Stage]:
                 kernels = []
                 for n in order[a:b]:
                     c = costs[n]
-                    kernels += [(False, profile.kernel_time(p), profile.kernel_time(p, backward=True))
-                                for p in (c.parts or (c,))]
+                    for j, p in enumerate(c.parts or (c,)):
+                        launches = (counts or {}).get(class_of(p).split("/")[0], (1.0, 1.0))
+                        kernels.append((False, profile.kernel_time(p), profile.kernel_time(p, backward=True),
+                                        *launches, j == 0))
                     if c.kind == "view":
-                        kernels.append((True, 0.0, 0.0))
+                        kernels.append((True, 0.0, 0.0, 0.0, 0.0, False))
                 out.append(Stage(row["model"], row["microbatch"], kernels, plan["measured_ms"][i] * 1e-3,
                                  plan["modelled_ms"][i] * 1e-3))
     return out
 
 
 def replay(stage: Stage, terms: tuple[float, ...]) -> float:
-    """The stage's seconds through the launch queue, without its fixed cost; ``terms`` in us."""
+    """The stage's seconds through the launch queue, without its fixed cost; ``terms`` in us: per
+    launched kernel, per view and (where given) per node, forward and backward."""
+    node = terms[4:6] if len(terms) > 4 else (0.0, 0.0)
     total = 0.0
     for d, kernels in ((0, stage.kernels), (1, stage.kernels[::-1])):
-        steps = [(terms[2 + d] * US, 0.0) if view else (terms[d] * US, (f, b)[d]) for view, f, b in kernels
-                 if (terms[2 + d] > 0 if view else (f, b)[d] > 0)]
+        steps = [(terms[2 + d] * US, 0.0) if k[0] else ((terms[d] * k[3 + d] + node[d] * k[5]) * US, k[1 + d])
+                 for k in kernels if (terms[2 + d] > 0 if k[0] else k[1 + d] > 0)]
         total += sum(queue_steps(steps))
     return total
 
@@ -108,7 +134,7 @@ def errors(stages: list[Stage], terms: tuple[float, ...], fixed: float) -> np.nd
     return np.array([(replay(s, terms) + fixed) / s.measured - 1 for s in stages])
 
 
-def fit(stages: list[Stage]) -> tuple[tuple[float, ...], float]:
+def fit(stages: list[Stage], starts: tuple[tuple[float, ...], ...] = STARTS) -> tuple[tuple[float, ...], float]:
     """The host terms (us) and the stage's fixed seconds of least mean relative error."""
     from scipy.optimize import minimize
 
@@ -121,7 +147,7 @@ def fit(stages: list[Stage]) -> tuple[tuple[float, ...], float]:
 
     # The loss has flat stretches (a host term that never binds) and local minima: several starts.
     found = [minimize(loss, np.array(x0), method="Nelder-Mead", options={"xatol": 0.2, "fatol": 1e-5, "maxiter": 600})
-             for x0 in STARTS]
+             for x0 in starts]
     terms = tuple(float(max(v, 0.0)) for v in min(found, key=lambda r: r.fun).x)
     fixed = max(statistics.median(s.measured - replay(s, terms) for s in stages), 0.0)
     return terms, fixed
@@ -138,11 +164,27 @@ def _line(label: str, s: dict[str, float]) -> str:
             f"within 10% {s['within_10pct']}/{s['stages']}")
 
 
+def evaluate(stages: list[Stage], starts: tuple[tuple[float, ...], ...]) -> tuple[tuple[float, ...], float, dict, dict]:
+    """(terms, fixed seconds, in-sample error, leave-one-model-out error with each model's mean)."""
+    terms, fixed = fit(stages, starts)
+    left_out: list[float] = []
+    by_model: dict[str, float] = {}
+    for model in sorted({s.model for s in stages}):
+        t, f = fit([s for s in stages if s.model != model], (terms,))
+        err = errors([s for s in stages if s.model == model], t, f)
+        left_out += list(err)
+        by_model[model] = float(np.mean(np.abs(err)))
+    return terms, fixed, summary(errors(stages, terms, fixed)), dict(summary(np.array(left_out)), by_model=by_model)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", nargs="+", help="measured_balance.py results with eager analytic plans")
     parser.add_argument("--name", required=True, help="the device profile whose table is fitted (h100, h200)")
     parser.add_argument("--write", action="store_true", help="write the fitted terms into the table")
+    parser.add_argument("--launch-counts", nargs="+", metavar="ROWS",
+                        help="also fit a host time per node plus one per kernel launched, the kernels each class "
+                             "launches counted in these calibration rows (reported; the table keeps the first model)")
     args = parser.parse_args(argv)
     if args.name not in PROFILES:
         raise SystemExit(f"--name {args.name!r} is not a device profile; one of {sorted(PROFILES)}")
@@ -150,21 +192,21 @@ def main(argv: list[str] | None = None) -> int:
     if not stages:
         raise SystemExit("no eager analytic plan with stage_starts in the results given")
     as_is = summary(np.array([s.table_price / s.measured - 1 for s in stages]))
-    terms, fixed = fit(stages)
-    in_sample = summary(errors(stages, terms, fixed))
-    left_out: list[float] = []
-    by_model: dict[str, float] = {}
-    for model in sorted({s.model for s in stages}):
-        t, f = fit([s for s in stages if s.model != model])
-        err = errors([s for s in stages if s.model == model], t, f)
-        left_out += list(err)
-        by_model[model] = float(np.mean(np.abs(err)))
-    loo = summary(np.array(left_out))
+    terms, fixed, in_sample, loo = evaluate(stages, STARTS)
+    by_model = loo.pop("by_model")
     print(_line("the table as it is", as_is))
     print(_line("queue, fitted, in sample", in_sample))
     print(_line("queue, each model left out", loo) + "  " + " ".join(f"{k}={v:.3f}" for k, v in by_model.items()))
     print("host per kernel fwd %.1f us bwd %.1f us; per view fwd %.1f us bwd %.1f us; stage %.0f us"
           % (*terms, fixed / US))
+    if args.launch_counts:
+        counted = stages_of(args.results, args.name, launch_counts(args.launch_counts))
+        c_terms, c_fixed, c_in, c_loo = evaluate(counted, COUNTED_STARTS)
+        c_by = c_loo.pop("by_model")
+        print(_line("counted launches, in sample", c_in))
+        print(_line("counted launches, each left out", c_loo) + "  " + " ".join(f"{k}={v:.3f}" for k, v in c_by.items()))
+        print("host per launched kernel fwd %.1f us bwd %.1f us; per view fwd %.1f us bwd %.1f us; per node fwd %.1f us "
+              "bwd %.1f us; stage %.0f us" % (*c_terms, c_fixed / US))
     if args.write:
         path = os.path.join(CALIBRATION_DIR, f"{args.name}.json")
         with open(path) as fh:

@@ -67,7 +67,7 @@ class DeviceProfile:
         if c.parts:
             return sum(self.node_time(p, backward=backward) for p in c.parts)
         gpu = self.kernel_time(c, backward=backward)
-        if gpu == 0.0 or self.calibration is None:
+        if self.calibration is None or not _launches(c, backward):
             return gpu
         if self.mode not in ("eager", "compiled"):
             return gpu + self.calibration.gap_time(self.mode)
@@ -79,9 +79,9 @@ class DeviceProfile:
     def kernel_time(self, c: NodeCost, *, backward: bool = False) -> float:
         """The device seconds of one kernel (a node without ``parts``), launch included; 0 for a
         node that launches nothing. Uncalibrated, the roofline plus ``op_overhead``."""
-        flops, nbytes = (c.bwd_flops, c.bwd_bytes) if backward else (c.fwd_flops, c.fwd_bytes)
-        if c.kind in FREE_KINDS or (flops == 0 and nbytes == 0):
+        if not _launches(c, backward):
             return 0.0
+        flops, nbytes = (c.bwd_flops, c.bwd_bytes) if backward else (c.fwd_flops, c.fwd_bytes)
         peak = self.matmul_flops if c.kind in MATMUL_KINDS else self.vector_flops
         if self.calibration is None:
             return max(flops / peak, nbytes / self.mem_bandwidth) + self.op_overhead
@@ -119,6 +119,11 @@ class DeviceProfile:
         if values.get("calibration") is not None:
             values["calibration"] = Calibration.from_dict(values["calibration"])
         return cls(**values)
+
+
+def _launches(c: NodeCost, backward: bool) -> bool:
+    """Whether ``c`` (a kernel) launches work in that direction."""
+    return c.kind not in FREE_KINDS and ((c.bwd_flops, c.bwd_bytes) if backward else (c.fwd_flops, c.fwd_bytes)) != (0, 0)
 
 
 # Achievable rates, roughly what a well-fed large kernel reaches, not datasheet peaks:
