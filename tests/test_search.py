@@ -621,3 +621,21 @@ def test_the_optimizer_step_is_priced_by_its_bytes_per_parameter():
     params = float(graph.param_count.sum())
     bandwidth = get_profile("cpu").mem_bandwidth
     assert unfused.parts["optimizer"] - fused.parts["optimizer"] == pytest.approx(params * (96.0 - 32.0) / bandwidth)
+
+
+def test_measured_node_times_are_kept_at_their_size_under_a_queued_table():
+    """A measured profile's node prices already hold the launch queue; the analytic model only
+    scales them to another size, so at the size they were timed they are what was measured, on a
+    table that prices eager stages through the queue (h200) as on one that does not (cpu)."""
+    from autopipe.measure import RunSetup, profile_graph
+    from autopipe.partition.device import PROFILES
+
+    traced = _vit_graph()
+    timed = profile_graph(traced, RunSetup("cpu", reps=1, warmup=1), segments=2)
+    timed = dataclasses.replace(timed, input_shapes=[[4, 3, 32, 32]])
+    costs = GraphCosts(traced, 2, measured=[timed])
+    for profile in (get_profile("cpu"), PROFILES["h200"].with_mode("eager")):
+        fwd, bwd = costs.node_times(4, profile)
+        for i, name in enumerate(costs.order):
+            if name in timed.node_seconds:
+                assert fwd[i] + bwd[i] == pytest.approx(timed.node_seconds[name], rel=1e-9, abs=1e-15)

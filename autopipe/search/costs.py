@@ -123,7 +123,8 @@ class GraphCosts:
                     recompute: bool = False) -> tuple[np.ndarray, np.ndarray]:
         ratio = size / self.reference_size
         k = self._kernels
-        queued = profile.mode == "eager" and profile.calibration is not None and profile.calibration.launch_queue
+        # Measured prices hold the queue already; the model only scales them, node by node.
+        queued = measured is None and profile.mode == "eager" and getattr(profile.calibration, "launch_queue", False)
         out = []
         for d in (0, 1):
             flops = k.flops[d] * ratio
@@ -156,9 +157,8 @@ class GraphCosts:
         return fwd, bwd
 
     def _queued(self, fwd: np.ndarray, bwd: np.ndarray, cal: Calibration) -> tuple[np.ndarray, np.ndarray]:
-        """Each node's forward and backward seconds when its kernels (device seconds ``fwd`` and
-        ``bwd``, one per kernel) and its views run through the launch queue: the forward in graph
-        order, the backward in reverse (``analytic_queue_times`` over the kernel table)."""
+        """Each node's forward and backward seconds when its kernels (device seconds ``fwd``, ``bwd``)
+        and views run through the launch queue, as ``analytic_queue_times`` over the kernel table."""
         # kernels and views in launch order: (node, kernel row or -1 for a view)
         launches = sorted([(int(n), j) for j, n in enumerate(self._kernels.node)]
                           + [(i, -1) for i, c in enumerate(self.costs) if c.kind == "view"])
