@@ -29,6 +29,7 @@ import torch.utils._pytree as pytree
 from .arguments import PRECISIONS, check_deadline, check_on_this_rank, check_parameters, costs_label, resolve_device
 from .errors import ConfigError, ShardingError
 from .measure import MeasureOptions, RunSetup, measured_plan, stage_scale
+from .measure.host_pace import probe_seconds
 from .measure.profile import on_rank0
 from .partition.device import execution_mode
 from .partition.measured import MeasuredCosts
@@ -194,7 +195,7 @@ def parallelize(
     mode = execution_mode(cuda_graphs=cuda_graphs, compile_stages=compile_stages)
     front = plan_pipeline(
         model, example_inputs, pp=pp, chunks=chunks, tp=tp, microbatches=microbatches, schedule=schedule,
-        balance=balance, profile=default_profile(profile, device), mode=mode, shard_rules=shard_rules,
+        balance=balance, profile=_planning_profile(profile, device, mode), mode=mode, shard_rules=shard_rules,
         sequence_parallel=sequence_parallel, leaf_modules=leaf_modules, exec_sequence=exec_sequence,
         split_mlps=split_mlps, cut=_measured_cut(costs, measure, device, mode, PRECISIONS[mixed_precision],
                                                  activation_checkpointing),
@@ -303,6 +304,16 @@ def _zero_loss(output: Any, target: Any) -> torch.Tensor:
     """A loss of zero that reaches every floating output (the stand-in pipeline's)."""
     leaves = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
     return sum((t.float() * 0).sum() for t in leaves)
+
+
+def _planning_profile(profile: Any, device: torch.device, mode: str) -> Any:
+    """The profile the analytic model plans with: ``profile``, else this device's, its eager
+    host terms at this host's pace where it runs eager stages on a GPU (rank 0's probe on every
+    rank, so that every rank makes the same plan; [Note: host pace])."""
+    chosen = default_profile(profile, device)
+    if profile is None and mode == "eager" and device.type == "cuda":
+        chosen = chosen.at_host_pace(on_rank0(lambda: probe_seconds(device)))
+    return chosen
 
 
 def _measured_cut(costs: Any, measure: MeasureOptions | None, device: torch.device, mode: str,

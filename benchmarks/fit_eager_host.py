@@ -15,8 +15,11 @@ needed), cut into those pieces, and its stages replayed.
 Prints the error of the table as it is, of the fit in sample, and leaving each model out of the
 fit in turn (the error a model the fit has not seen carries); with ``--write`` the fitted terms
 go into autopipe/partition/calibration/NAME.json (``launch_queue`` set). With ``--launch-counts
-ROWS...`` a second model is fitted and reported beside it: a host time per node plus one per
-kernel launched, the kernels a node of each class family launches counted in calibration rows.
+ROWS...`` the model fitted is a host time per op (a node, a composite's part) plus one per
+kernel launched, the kernels an op of each class family launches counted in calibration rows
+(``Calibration.node_host``, ``host_kernels``). With ``--pace`` each stage's host terms are scaled by the host's pace when it
+was timed, the timer's reference probe over the median one ([Note: host pace];
+``Calibration.host_probe``, in the units of the probe a plan is made at).
 """
 from __future__ import annotations
 
@@ -44,7 +47,7 @@ from autopipe.tracer import trace  # noqa: E402
 
 US = 1e-6
 # Starting points, in microseconds: host per kernel (fwd, bwd), per view (fwd, bwd) and, for the
-# model with counted launches, per node (fwd, bwd).
+# model with counted launches, per op (fwd, bwd).
 STARTS = ((30.0, 30.0, 10.0, 0.0), (50.0, 50.0, 0.0, 0.0), (20.0, 60.0, 20.0, 5.0), (60.0, 20.0, 5.0, 0.0))
 COUNTED_STARTS = ((5.0, 5.0, 10.0, 0.0, 20.0, 20.0), (10.0, 10.0, 20.0, 0.0, 10.0, 10.0), (2.0, 8.0, 10.0, 0.0, 30.0, 10.0))
 
@@ -53,10 +56,19 @@ COUNTED_STARTS = ((5.0, 5.0, 10.0, 0.0, 20.0, 20.0), (10.0, 10.0, 20.0, 0.0, 10.
 class Stage:
     model: str
     microbatch: int
-    # in graph order: (is a view, device fwd s, device bwd s, launches fwd, launches bwd, a node's first)
-    kernels: list[tuple[bool, float, float, float, float, bool]]
+    # in graph order: (is a view, device fwd s, device bwd s, launches fwd, launches bwd)
+    kernels: list[tuple[bool, float, float, float, float]]
     measured: float  # seconds, forward + backward, as timed
     table_price: float  # seconds, as the table prices it today
+    pace: float = 0.0  # the timer's reference probe when it was timed ([Note: host pace]), s; 0: not kept
+    probe: float = 0.0  # the probe its plan was made at (measure.host_pace.probe_seconds), s; 0: not kept
+    scale: float = 1.0  # what its host terms are multiplied by: its pace over the table's (--pace)
+
+    def __post_init__(self) -> None:
+        # Per pass, in launch order, the steps that launch or are views: (is a view, device s,
+        # launches), as launch_queue.analytic_queue_times replays them.
+        self.passes = [[(k[0], k[1 + d], k[3 + d]) for k in kernels if k[0] or k[1 + d] > 0]
+                       for d, kernels in ((0, self.kernels), (1, self.kernels[::-1]))]
 
 
 def launch_counts(rows: list[str]) -> dict[str, tuple[float, float]]:
@@ -79,6 +91,8 @@ def stages_of(paths: list[str], name: str, counts: dict[str, tuple[float, float]
     times under table ``name`` and, with ``counts`` (``launch_counts``), the kernels each
     launches by its class family (else one)."""
     profile = PROFILES[name].with_mode("eager")
+    # a table whose host time per kernel is 1: its launch_host is the kernels a class launches
+    counter = dataclasses.replace(profile.calibration, host=(1.0, 1.0), host_kernels=counts or {})
     out: list[Stage] = []
     traced_by: dict[tuple, Any] = {}
     for path in paths:
@@ -107,26 +121,27 @@ def stages_of(paths: list[str], name: str, counts: dict[str, tuple[float, float]
                 kernels = []
                 for n in order[a:b]:
                     c = costs[n]
-                    for j, p in enumerate(c.parts or (c,)):
-                        launches = (counts or {}).get(class_of(p).split("/")[0], (1.0, 1.0))
+                    for p in c.parts or (c,):
+                        launches = (counter.launch_host(class_of(p), False),
+                                    counter.launch_host(class_of(p, backward=True), True))
                         kernels.append((False, profile.kernel_time(p), profile.kernel_time(p, backward=True),
-                                        *launches, j == 0))
+                                        *launches))
                     if c.kind == "view":
-                        kernels.append((True, 0.0, 0.0, 0.0, 0.0, False))
+                        kernels.append((True, 0.0, 0.0, 0.0, 0.0))
                 out.append(Stage(row["model"], row["microbatch"], kernels, plan["measured_ms"][i] * 1e-3,
-                                 plan["modelled_ms"][i] * 1e-3))
+                                 plan["modelled_ms"][i] * 1e-3, row.get("host_pace", {}).get("reference_us", 0.0) * US,
+                                 plan.get("host_probe_us", 0.0) * US))
     return out
 
 
 def replay(stage: Stage, terms: tuple[float, ...]) -> float:
     """The stage's seconds through the launch queue, without its fixed cost; ``terms`` in us: per
-    launched kernel, per view and (where given) per node, forward and backward."""
+    launched kernel, per view and (where given) per op, forward and backward."""
     node = terms[4:6] if len(terms) > 4 else (0.0, 0.0)
-    total = 0.0
-    for d, kernels in ((0, stage.kernels), (1, stage.kernels[::-1])):
-        steps = [(terms[2 + d] * US, 0.0) if k[0] else ((terms[d] * k[3 + d] + node[d] * k[5]) * US, k[1 + d])
-                 for k in kernels if (terms[2 + d] > 0 if k[0] else k[1 + d] > 0)]
-        total += sum(queue_steps(steps))
+    total, us = 0.0, US * stage.scale
+    for d, steps in enumerate(stage.passes):
+        total += sum(queue_steps([(terms[2 + d] * us, 0.0) if view else ((terms[d] * launches + node[d]) * us, seconds)
+                                  for view, seconds, launches in steps if not view or terms[2 + d] > 0]))
     return total
 
 
@@ -183,40 +198,55 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", required=True, help="the device profile whose table is fitted (h100, h200)")
     parser.add_argument("--write", action="store_true", help="write the fitted terms into the table")
     parser.add_argument("--launch-counts", nargs="+", metavar="ROWS",
-                        help="also fit a host time per node plus one per kernel launched, the kernels each class "
-                             "launches counted in these calibration rows (reported; the table keeps the first model)")
+                        help="fit a host time per op plus one per kernel launched instead, the kernels each class "
+                             "launches counted in these calibration rows")
+    parser.add_argument("--pace", action="store_true",
+                        help="scale each stage's host terms by the host's probe when it was timed over the median "
+                             "probe, written as the table's host_probe ([Note: host pace])")
     args = parser.parse_args(argv)
     if args.name not in PROFILES:
         raise SystemExit(f"--name {args.name!r} is not a device profile; one of {sorted(PROFILES)}")
-    stages = stages_of(args.results, args.name)
+    counts = launch_counts(args.launch_counts) if args.launch_counts else None
+    stages = stages_of(args.results, args.name, counts)
     if not stages:
         raise SystemExit("no eager analytic plan with stage_starts in the results given")
+    reference = 0.0
+    if args.pace:
+        if not all(s.pace > 0 for s in stages):
+            raise SystemExit("--pace needs every row's host probe (results of measured_balance.py that keep host_pace)")
+        reference = statistics.median(s.pace for s in stages)
+        for s in stages:
+            s.scale = s.pace / reference
+        # The table keeps the pace as a plan reads it: the probe before planning (back to back)
+        # reads lower than the timer's between sweeps on the same host, by this much.
+        probed = [s.probe / s.pace for s in stages if s.probe > 0]
+        reference *= statistics.median(probed) if probed else 1.0
     as_is = summary(np.array([s.table_price / s.measured - 1 for s in stages]))
-    terms, fixed, in_sample, loo = evaluate(stages, STARTS)
+    terms, fixed, in_sample, loo = evaluate(stages, COUNTED_STARTS if counts else STARTS)
     by_model = loo.pop("by_model")
+    label = "counted launches" if counts else "one host time per kernel"
     print(_line("the table as it is", as_is))
-    print(_line("queue, fitted, in sample", in_sample))
-    print(_line("queue, each model left out", loo) + "  " + " ".join(f"{k}={v:.3f}" for k, v in by_model.items()))
-    print("host per kernel fwd %.1f us bwd %.1f us; per view fwd %.1f us bwd %.1f us; stage %.0f us"
-          % (*terms, fixed / US))
-    if args.launch_counts:
-        counted = stages_of(args.results, args.name, launch_counts(args.launch_counts))
-        c_terms, c_fixed, c_in, c_loo = evaluate(counted, COUNTED_STARTS)
-        c_by = c_loo.pop("by_model")
-        print(_line("counted launches, in sample", c_in))
-        print(_line("counted launches, each left out", c_loo) + "  " + " ".join(f"{k}={v:.3f}" for k, v in c_by.items()))
-        print("host per launched kernel fwd %.1f us bwd %.1f us; per view fwd %.1f us bwd %.1f us; per node fwd %.1f us "
-              "bwd %.1f us; stage %.0f us" % (*c_terms, c_fixed / US))
+    print(_line(f"{label}, in sample", in_sample))
+    print(_line(f"{label}, each left out", loo) + "  " + " ".join(f"{k}={v:.3f}" for k, v in by_model.items()))
+    node = terms[4:6] if counts else (0.0, 0.0)
+    print("host per launched kernel fwd %.1f us bwd %.1f us; per view fwd %.1f us bwd %.1f us; per op fwd %.1f us "
+          "bwd %.1f us; stage %.0f us; host probe %.1f us" % (*terms[:4], *node, fixed / US, reference / US))
+    table_terms = {"host": [terms[0] * US, terms[1] * US], "view_host": [terms[2] * US, terms[3] * US],
+                   "node_host": [node[0] * US, node[1] * US], "host_probe": reference,
+                   "host_kernels": {k: list(v) for k, v in sorted((counts or {}).items())}}
+    fitted = {"how": "benchmarks/fit_eager_host.py: eager stages of analytic plans replayed through the launch queue"
+                     + (", a host time per op plus one per kernel launched (counted)" if counts else "")
+                     + (", each at its host's pace" if args.pace else ""),
+              "results": [os.path.basename(p) for p in args.results], "models": sorted(by_model),
+              "launch_counts": [os.path.basename(p) for p in args.launch_counts or ()],
+              "error_before": as_is, "error_in_sample": in_sample, "error_leave_one_model_out": loo}
     if args.write:
         path = os.path.join(CALIBRATION_DIR, f"{args.name}.json")
         with open(path) as fh:
             table = json.load(fh)
-        table.update(launch_queue=True, host=[terms[0] * US, terms[1] * US], view_host=[terms[2] * US, terms[3] * US])
+        table.update(launch_queue=True, **table_terms)
         table.setdefault("stage", {})["eager"] = fixed
-        table.setdefault("fit", {})["eager_host"] = {
-            "how": "benchmarks/fit_eager_host.py: eager stages of analytic plans replayed through the launch queue",
-            "results": [os.path.basename(p) for p in args.results], "models": sorted(by_model),
-            "error_before": as_is, "error_in_sample": in_sample, "error_leave_one_model_out": loo}
+        table.setdefault("fit", {})["eager_host"] = fitted
         with open(path, "w") as fh:
             json.dump(table, fh, indent=1, sort_keys=True)
         print(f"wrote {path}")

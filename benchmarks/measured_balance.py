@@ -47,7 +47,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from autopipe.measure import MeasureOptions, ProfileCache, RunSetup, measured_plan, profile_graph, time_plan  # noqa: E402
-from autopipe.measure.host_pace import PACE  # noqa: E402
+from autopipe.measure.host_pace import PACE, probe_seconds  # noqa: E402
 from autopipe.measure.timer import device_name  # noqa: E402
 from autopipe.models import default_input, load_model  # noqa: E402
 from autopipe.partition.balance import least_imbalance  # noqa: E402
@@ -94,6 +94,8 @@ def run_case(name: str, traced: Any, mb: int, mode: str, layouts: tuple, reps: i
             "cache_hit": again is not None and again.segments == measured.segments}
     gpu = PROFILES[gpu_profile_name(device_name(setup.device))]
     calibrated = gpu.with_mode(mode)
+    probe = probe_seconds(setup.device) if mode == "eager" and setup.device.type == "cuda" else 0.0
+    calibrated = calibrated.at_host_pace(probe)  # as parallelize plans eager stages: [Note: host pace]
     profiles = {"uncalibrated": dataclasses.replace(gpu, calibration=None),
                 "analytic": calibrated}
     for pp, chunks in layouts:
@@ -113,7 +115,8 @@ def run_case(name: str, traced: Any, mb: int, mode: str, layouts: tuple, reps: i
                          "measured_ms": [t * 1e3 for t in times], "modelled_imbalance": plan.imbalance,
                          "measured_imbalance": _imbalance(times), "timings": each,
                          # for fit_eager_host.py: where the stages start, in the graph cut into the plan's pieces
-                         "stage_starts": [st.nodes[0] for st in plan.stages], "mlp_pieces": plan.mlp_pieces}
+                         "stage_starts": [st.nodes[0] for st in plan.stages], "mlp_pieces": plan.mlp_pieces,
+                         "host_probe_us": probe * 1e6}
         if measured is not None:
             begin = time.perf_counter()
             plan = measured_plan(traced, setup, dict(args, device=calibrated), measured=measured,

@@ -11,10 +11,10 @@ import torch
 
 from autopipe.errors import ConfigError
 from autopipe.partition.partitioner import analytic_seconds
-from autopipe.partition.calibration import Calibration
+from autopipe.partition.calibration import Calibration, class_of, kernel_kind
 from autopipe.partition.cost import graph_costs
 from autopipe.partition.device import PROFILES
-from autopipe.partition.launch_queue import queue_steps
+from autopipe.partition.launch_queue import queue_by_node, queue_steps
 from autopipe.tracer import trace
 from tests.models import timm_convnext, timm_resnet
 
@@ -33,8 +33,9 @@ def test_queue_steps_hide_the_host_under_long_kernels_and_add_up():
 
 def _queued(host: tuple[float, float], view_host: tuple[float, float] = (0.0, 0.0)):
     base = PROFILES["h200"].with_mode("eager")
-    return dataclasses.replace(base, calibration=dataclasses.replace(base.calibration, launch_queue=True,
-                                                                     host=host, view_host=view_host))
+    return dataclasses.replace(base, calibration=dataclasses.replace(base.calibration, launch_queue=True, host=host,
+                                                                     view_host=view_host, node_host=(0.0, 0.0),
+                                                                     host_kernels={}))
 
 
 def _kernels(profile, costs, backward: bool) -> list[float]:
@@ -77,6 +78,36 @@ def test_analytic_eager_nodes_are_priced_by_their_kernels_or_by_the_host_whichev
     assert total <= sum(f + b for f, b in node_by_node.node_times(costs)) + views * 3 * US + 1e-12
 
 
+def test_a_slow_host_pays_each_ops_call_and_each_kernel_its_kind_launches(convnext_costs):
+    costs = convnext_costs
+    base = _queued((1e-3, 2e-3), view_host=(5e-4, 0.0))
+    counts = {"conv": (2.0, 4.0), "norm:row": (3.0, 1.0)}  # a channels-last conv counts as "conv"
+    slow = dataclasses.replace(base, calibration=dataclasses.replace(base.calibration, host_kernels=counts,
+                                                                     node_host=(7e-3, 9e-3)))
+    cal = slow.calibration
+    assert cal.launch_host("conv-nhwc/64", True) == pytest.approx(9e-3 + 8e-3)
+    assert cal.launch_host("norm:row/1MiB", False) == pytest.approx(7e-3 + 3e-3)
+    assert cal.launch_host("elementwise/1MiB", True) == pytest.approx(9e-3 + 2e-3)  # not counted: one kernel
+    kinds = {kernel_kind(class_of(p)) for c in costs for p in (c.parts or (c,))}
+    assert "norm:row" in kinds and kinds & {"conv", "conv-nhwc"}
+    times = slow.node_times(costs)
+    for d in (0, 1):
+        launched = [p for c in costs for p in (c.parts or (c,)) if slow.kernel_time(p, backward=bool(d)) > 0]
+        host = sum(cal.launch_host(class_of(p, backward=bool(d)), bool(d)) for p in launched)
+        views = sum(c.kind == "view" for c in costs) * (5e-4, 0.0)[d]
+        total = sum(t[d] for t in times)
+        # the host binds: every op's call and launches, the views, and the kernel it ends on
+        assert host + views - 1e-12 <= total <= host + views + max(slow.kernel_time(p, backward=bool(d))
+                                                                   for p in launched) + 1e-12
+    # A composite module costs what its parts cost as nodes of their own: each part is an op.
+    a, b = [c for c in costs if not c.parts and slow.kernel_time(c) > 0][:2]
+    apart = sum(f + w for f, w in slow.node_times([a, b]))
+    assert sum(slow.node_times([dataclasses.replace(a, parts=(a, b))])[0]) == pytest.approx(apart)
+    # Steps through the queue, by node: a view (no device seconds) only moves the host.
+    steps = [(0, 40 * US, 1 * US), (0, 10 * US, 1 * US), (1, 4 * US, 0.0), (2, 40 * US, 50 * US)]
+    assert queue_by_node(steps, 3).tolist() == pytest.approx([51 * US, 3 * US, 90 * US])
+
+
 def test_the_h200_table_prices_eager_stages_through_the_queue_and_the_analytic_seconds_follow():
     h200, h100 = PROFILES["h200"].calibration, PROFILES["h100"].calibration
     assert h200.launch_queue and not h100.launch_queue  # h100's host terms were fitted node by node
@@ -98,5 +129,85 @@ def test_a_table_without_the_queue_fields_loads_node_by_node_and_a_bad_view_host
     del table["launch_queue"], table["view_host"]
     old = Calibration.from_dict(table)
     assert not old.launch_queue and old.view_host == (0.0, 0.0)
-    with pytest.raises(ConfigError, match="view_host must be two non-negative seconds, got \\[-1"):
+    with pytest.raises(ConfigError, match="view_host must be two non-negative numbers, got \\(-1"):
         Calibration.from_dict(dict(table, view_host=[-1.0, 0.0]))
+    with pytest.raises(ConfigError, match="conv must be two non-negative numbers, got \\(1.0,\\)"):
+        Calibration.from_dict(dict(table, host_kernels={"conv": [1.0]}))
+    with pytest.raises(ConfigError, match="node_host must be two non-negative numbers, got \\(nan"):
+        Calibration.from_dict(dict(table, node_host=[float("nan"), 0.0]))
+
+
+def test_a_profile_at_another_hosts_pace_scales_its_host_terms_and_nothing_else(convnext_costs):
+    base = _queued((20 * US, 30 * US), view_host=(10 * US, 0.0))
+    cal = dataclasses.replace(base.calibration, node_host=(40 * US, 2 * US), host_probe=250 * US)
+    profile = dataclasses.replace(base, calibration=cal)
+    slow = profile.at_host_pace(500 * US)
+    s = slow.calibration
+    assert [*s.host, *s.node_host, *s.view_host, s.host_probe] == pytest.approx(
+        [40 * US, 60 * US, 80 * US, 4 * US, 20 * US, 0.0, 500 * US])
+    assert s.factors == cal.factors and s.stage == cal.stage
+    c = next(c for c in convnext_costs if profile.kernel_time(c) > 0)
+    assert slow.kernel_time(c) == profile.kernel_time(c)  # the device is the same
+    fast_total = sum(f + b for f, b in profile.node_times(convnext_costs))
+    assert sum(f + b for f, b in slow.node_times(convnext_costs)) > fast_total
+    # Half the pace's probe twice over is the same host: the scaling composes.
+    assert slow.at_host_pace(250 * US).calibration.host == pytest.approx(cal.host)
+    # No probe, or a table that never recorded its host's, leaves the profile as it is.
+    assert profile.at_host_pace(0.0) is profile
+    unknown = dataclasses.replace(profile, calibration=dataclasses.replace(cal, host_probe=0.0))
+    assert unknown.at_host_pace(500 * US) is unknown
+
+
+def test_the_h200_table_knows_its_hosts_pace_and_an_analytic_eager_plan_says_which_it_priced_at():
+    from autopipe.stages import plan_stages
+
+    cal = PROFILES["h200"].calibration
+    assert 50 * US < cal.host_probe < 2000 * US and cal.node_host[0] > 0 and cal.host_kernels
+    with pytest.raises(ConfigError, match="host_probe must be non-negative seconds, got -1.0"):
+        Calibration.from_dict(dict(json.loads(cal.to_json()), host_probe=-1.0))
+    traced = trace(timm_resnet(), (torch.randn(2, 3, 32, 32),))
+    eager = PROFILES["h200"].with_mode("eager")
+    plan = plan_stages(traced, pp=2, device=eager.at_host_pace(2 * cal.host_probe))
+    assert plan.cost_source["host_probe_us"] == pytest.approx(2e6 * cal.host_probe)
+    assert "host_probe_us" not in plan_stages(traced, pp=2, device=PROFILES["h200"].with_mode("graphs")).cost_source
+
+
+def test_the_host_probe_reads_this_hosts_pace():
+    from autopipe.measure.host_pace import probe_seconds
+
+    seconds = probe_seconds(torch.device("cpu"), probes=20)
+    assert 0 < seconds < 0.1
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the host's pace is probed on a GPU")
+def test_an_eager_plan_made_on_a_gpu_is_priced_at_this_hosts_pace():
+    import torch.nn.functional as F
+
+    import autopipe
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(),
+                                torch.nn.Linear(8 * 16 * 16, 10))
+    pm = autopipe.parallelize(model, (torch.randn(2, 3, 16, 16),), microbatches=2, chunks=2, schedule="gpipe",
+                              loss_fn=F.cross_entropy, device="cuda")
+    source = pm.plan.cost_source
+    assert source["source"] == "analytic" and source["mode"] == "eager"
+    # The table's host terms moved to the pace probed here, not the pace they were fitted at; a
+    # table that never recorded its host's pace (h100's) prices at its own.
+    table = PROFILES[source["profile"]].calibration
+    if table.host_probe > 0:
+        assert source["host_probe_us"] > 0 and source["host_probe_us"] != pytest.approx(table.host_probe * 1e6, abs=1e-9)
+    else:
+        assert "host_probe_us" not in source
+
+
+def test_parallelize_plans_eager_stages_on_a_gpu_at_the_pace_probed_there_and_nothing_else(monkeypatch):
+    import autopipe.api as api
+
+    monkeypatch.setattr(api, "probe_seconds", lambda device: 123 * US)
+    monkeypatch.setattr(api, "default_profile", lambda profile, device: PROFILES[profile or "h200"])
+    cuda = torch.device("cuda", 0)  # a device object only: nothing runs on it
+    assert api._planning_profile(None, cuda, "eager").calibration.host_probe == pytest.approx(123 * US)
+    # CUDA graphs replay without the host; a profile the user gave is theirs; a CPU has no GPU host.
+    for profile, device, mode in ((None, cuda, "graphs"), ("h200", cuda, "eager"), (None, torch.device("cpu"), "eager")):
+        assert api._planning_profile(profile, device, mode) is PROFILES[profile or "h200"]

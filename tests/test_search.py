@@ -560,9 +560,13 @@ def test_costs_priced_in_one_pass_equal_the_profiles_node_time():
     from autopipe.partition.device import PROFILES
 
     graph = GraphCosts(_vit_graph(), 2)
+    # A host time per node and kernels counted by kind, besides the table's own host terms.
+    counted = dataclasses.replace(PROFILES["h200"].calibration, host_kernels={"gemm": (2.0, 5.0), "norm:row": (1.0, 3.0)},
+                                  node_host=(20e-6, 3e-6), view_host=(7e-6, 1e-6))
     # h100's eager nodes are priced alone, h200's through the launch queue.
     for profile in (PROFILES["h100"].with_mode("eager"), PROFILES["h100"].with_mode("compiled"),
                     PROFILES["h100"].with_mode("graphs"), PROFILES["h200"].with_mode("eager"),
+                    dataclasses.replace(PROFILES["h200"].with_mode("eager"), calibration=counted),
                     dataclasses.replace(PROFILES["h100"], calibration=None), PROFILES["cpu"]):
         for size in (2, 16):
             fwd, bwd = graph.node_times(size, profile)

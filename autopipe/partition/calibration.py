@@ -23,20 +23,17 @@ backward pass:
   64 channels over 56x56 maps run at a quarter of the bandwidth 512 channels reach), pooling
   apart from other reductions.
 
-More numbers: the GPU time each launched kernel adds, by its kind (the part of a class name
-before the first "/"): a convolution's set-up, format conversions and tail, or an elementwise
-kernel's, and the gap before the next; what CUDA graph replays still pay (EfficientNet's
-squeeze-excite convolutions, a few thousand FLOPs each, take 10-15 us on an H100). Then the
-host time each launched node costs in eager mode (Python, dispatch, launch; forward and
-autograd backward) and the fixed time of a stage in each mode (its first launch, autograd's
-start). In eager mode the host runs ahead of the device where it can: a table fitted so
-(``launch_queue``) replays a stage's kernels through the launch queue ([Note: eager launch
-queue] in measure/eager_host.py), a view costing the host ``view_host``; in an older table a
-node takes the longer of its GPU time and its host time. On an H200, fitted on 140 timed
-eager stages of four models' analytic plans (benchmarks/fit_eager_host.py), the queue prices
-122 of them within 10% (mean error 5.6%; 13.4% for a model left out of the fit), node by node
-46 (15.3%): ResNet-152's layer-3 stages at 128 images, host-bound node by node, ran at 0.73x
-their price.
+More numbers: the GPU time each launched kernel adds, by its kind (the part of a class name before
+the first "/"): a convolution's set-up, format conversions and tail, or an elementwise kernel's,
+and the gap before the next; what CUDA graph replays still pay (a squeeze-excite convolution of a
+few thousand FLOPs takes 10-15 us on an H100). Then the host time of eager mode (Python, dispatch,
+launch; forward and autograd backward) and the fixed time of a stage in each mode (its first
+launch, autograd's start). In eager mode the host runs ahead of the device where it can: a table
+fitted so (``launch_queue``) replays a stage's kernels through the launch queue ([Note: eager
+launch queue] in measure/eager_host.py): an op (a node, a composite's part) costs the host
+``node_host`` and ``host`` per kernel its kind launches (``host_kernels``, profiler counts), a view
+``view_host``, at the pace of the host they were fitted on (``host_probe``; ``at_host_pace``
+scales them); in an older table a node takes the longer of its GPU and its host time.
 
 [Note: monotone in bytes]
 A class by bytes has its own factor in each bucket, and small kernels run further below the
@@ -254,6 +251,10 @@ class Calibration:
     # as the larger of its device and host time.
     launch_queue: bool = False
     view_host: tuple[float, float] = (0.0, 0.0)  # host seconds per view in eager mode (fwd, bwd), with the queue
+    node_host: tuple[float, float] = (0.0, 0.0)  # host seconds per op besides its kernels', with the queue
+    # kernel_kind -> (fwd, bwd) kernels one of that kind launches, counted by the profiler; 1 where absent
+    host_kernels: dict[str, tuple[float, float]] = field(default_factory=dict)
+    host_probe: float = 0.0  # the pace probe of the host the eager host terms are for (s; 0: unknown)
     schema: int = SCHEMA_VERSION
 
     def gpu_time(self, cost: NodeCost, *, compute: float, bandwidth: float, backward: bool,
@@ -299,6 +300,13 @@ class Calibration:
         pair = next((self.launches[k] for k in map(kernel_kind, _fallbacks(name)) if k in self.launches), self.launch)
         return pair[int(backward)]
 
+    def launch_host(self, name: str, backward: bool) -> float:
+        """The host seconds an eager op of class ``name`` costs the launch queue: ``node_host``, and
+        ``host`` for each kernel its kind launches (``host_kernels``)."""
+        d = int(backward)
+        return self.node_host[d] + self.host[d] * next((self.host_kernels[k][d] for k in map(
+            kernel_kind, _fallbacks(name)) if k in self.host_kernels), 1.0)
+
     def factor(self, name: str, backward: bool) -> float:
         """The fitted multiplier of class ``name``: a channels-last class the fit never saw
         takes its NCHW class's, a grouped convolution's class its dense one's, and a class the
@@ -338,13 +346,19 @@ class Calibration:
             kernels = {str(k): (float(v[0]), float(v[1])) for k, v in data.get("kernels", {}).items()}
             if not all(math.isfinite(x) and x >= 0 for v in kernels.values() for x in v):
                 raise ValueError("negative or non-finite kernel seconds")
-            view_host = tuple(map(float, data.get("view_host", (0.0, 0.0))))
-            if len(view_host) != 2 or not all(math.isfinite(x) and x >= 0 for x in view_host):
-                raise ValueError(f"view_host must be two non-negative seconds, got {data.get('view_host')!r}")
+            pairs = {key: tuple(map(float, data.get(key, (0.0, 0.0)))) for key in ("view_host", "node_host")}
+            host_kernels = {str(k): tuple(map(float, v)) for k, v in data.get("host_kernels", {}).items()}
+            for key, pair in (*pairs.items(), *host_kernels.items()):
+                if len(pair) != 2 or not all(math.isfinite(x) and x >= 0 for x in pair):
+                    raise ValueError(f"{key} must be two non-negative numbers, got {pair!r}")
+            host_probe = float(data.get("host_probe", 0.0))
+            if not (math.isfinite(host_probe) and host_probe >= 0):
+                raise ValueError(f"host_probe must be non-negative seconds, got {host_probe!r}")
             return cls(str(data["device"]), factors, tuple(map(float, data["launch"])),
                        tuple(map(float, data["host"])), {str(k): float(v) for k, v in data.get("stage", {}).items()},
                        dict(data.get("fit", {})), launches, boundary, gap, kernels,
-                       launch_queue=bool(data.get("launch_queue", False)), view_host=view_host)
+                       launch_queue=bool(data.get("launch_queue", False)), host_kernels=host_kernels,
+                       host_probe=host_probe, **pairs)
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise ConfigError(f"not a calibration table: {exc}") from exc
 

@@ -17,7 +17,7 @@ import torch.nn as nn
 from torch.fx.node import map_aggregate
 
 from autopipe.errors import ConfigError
-from autopipe.partition.calibration import Calibration, load_calibration
+from autopipe.partition.calibration import Calibration, class_of, load_calibration
 from autopipe.partition.cost import FREE_KINDS, MATMUL_KINDS, NodeCost
 from autopipe.partition.launch_queue import analytic_queue_times
 
@@ -99,8 +99,22 @@ class DeviceProfile:
         each node as ``node_time`` prices it alone."""
         cal = self.calibration
         if self.mode == "eager" and cal is not None and cal.launch_queue:
-            return analytic_queue_times(costs, lambda k, b: self.kernel_time(k, backward=b), cal.host, cal.view_host)
+            return analytic_queue_times(costs, lambda k, b: self.kernel_time(k, backward=b),
+                                        lambda k, b: cal.launch_host(class_of(k, backward=b), b), cal.view_host)
         return [(self.node_time(c), self.node_time(c, backward=True)) for c in costs]
+
+    def at_host_pace(self, probe: float) -> DeviceProfile:
+        """This profile for stages launched by a host whose pace probe reads ``probe`` seconds
+        ([Note: host pace] in measure/host_pace.py): its table's host terms scaled by ``probe``
+        over the probe of the host they were fitted on. Unchanged where either is unknown (0)."""
+        cal = self.calibration
+        if cal is None or not cal.host_probe > 0 or not probe > 0:
+            return self
+        r = probe / cal.host_probe
+        scaled = replace(cal, host=(cal.host[0] * r, cal.host[1] * r), node_host=(cal.node_host[0] * r,
+                         cal.node_host[1] * r), view_host=(cal.view_host[0] * r, cal.view_host[1] * r),
+                         host_probe=probe)
+        return replace(self, calibration=scaled)
 
     def with_mode(self, mode: str) -> DeviceProfile:
         """This profile for stages run in ``mode`` (one of EXECUTION_MODES)."""

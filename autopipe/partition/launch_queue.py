@@ -4,15 +4,19 @@ See [Note: eager launch queue] in autopipe/measure/eager_host.py for the model: 
 the nodes and launches their kernels, the device runs each kernel once it is launched and the
 one before it has finished, and a step's price is how far it moves the later of the two clocks.
 Measured profiles replay their nodes' timed kernels through it; the analytic model of a table
-fitted that way (``Calibration.launch_queue``) replays its own kernel prices.
+fitted that way (``Calibration.launch_queue``) replays its own kernel prices: an op (a node, or a
+part of a composite one) costs the host a time of its own and one per kernel it launches
+(counted by its kind; ``Calibration.launch_host``), and a view a time of its own.
 """
 from __future__ import annotations
 
 from typing import Callable, Iterable, Sequence
 
+import numpy as np
+
 from autopipe.partition.cost import NodeCost
 
-__all__ = ["queue_steps", "analytic_queue_times"]
+__all__ = ["queue_steps", "queue_by_node", "analytic_queue_times"]
 
 
 def queue_steps(steps: Iterable[tuple[float, float]]) -> list[float]:
@@ -30,33 +34,40 @@ def queue_steps(steps: Iterable[tuple[float, float]]) -> list[float]:
     return out
 
 
+def queue_by_node(launches: Iterable[tuple[int, float, float]], nodes: int) -> np.ndarray:
+    """The seconds each of ``nodes`` nodes adds to one pass through the launch queue:
+    ``launches`` are (node, host seconds, device seconds) in launch order, a view's step with
+    no device seconds."""
+    owners: list[int] = []
+    steps: list[tuple[float, float]] = []
+    for node, host, device in launches:
+        owners.append(node)
+        steps.append((host, device))
+    return np.bincount(np.array(owners, dtype=int), weights=queue_steps(steps), minlength=nodes)
+
+
 def analytic_queue_times(costs: Sequence[NodeCost], kernel_time: Callable[[NodeCost, bool], float],
-                         host: tuple[float, float],
+                         kernel_host: Callable[[NodeCost, bool], float],
                          view_host: tuple[float, float]) -> list[tuple[float, float]]:
     """(forward, backward) seconds of each node of ``costs`` (in graph order) when the forward runs
     them in order and the backward in reverse (a composite's kernels too), as one eager stage
     through the launch queue.
 
-    ``kernel_time(cost, backward)``: the device seconds of one kernel (0: it launches nothing). A
-    node launches its ``parts`` (a composite module) or itself, each kernel costing the host
-    ``host[d]`` (d: 0 forward, 1 backward); a view launches nothing and costs the host
-    ``view_host[d]``; other nodes without work cost nothing."""
-    out = [[0.0, 0.0] for _ in costs]
+    ``kernel_time(cost, backward)``: the device seconds of one kernel (0: it launches nothing);
+    ``kernel_host(cost, backward)``: what calling it costs the host. A node launches its
+    ``parts`` (a composite module) or itself; a view launches nothing and costs the host
+    ``view_host[d]`` (d: 0 forward, 1 backward); other nodes without work cost nothing."""
+    out = []
     for d in (0, 1):
-        order = range(len(costs)) if d == 0 else range(len(costs) - 1, -1, -1)
-        owners: list[int] = []
-        steps: list[tuple[float, float]] = []
-        for i in order:
+        launches: list[tuple[int, float, float]] = []
+        for i in (range(len(costs)) if d == 0 else range(len(costs) - 1, -1, -1)):
             c = costs[i]
             parts = c.parts or (c,)
             for part in parts if d == 0 else parts[::-1]:
                 seconds = kernel_time(part, bool(d))
                 if seconds > 0:
-                    owners.append(i)
-                    steps.append((host[d], seconds))
+                    launches.append((i, kernel_host(part, bool(d)), seconds))
             if c.kind == "view" and view_host[d] > 0:
-                owners.append(i)
-                steps.append((view_host[d], 0.0))
-        for i, step in zip(owners, queue_steps(steps)):
-            out[i][d] += step
-    return [(f, b) for f, b in out]
+                launches.append((i, view_host[d], 0.0))
+        out.append(queue_by_node(launches, len(costs)))
+    return [(float(f), float(b)) for f, b in zip(*out)]

@@ -271,8 +271,11 @@ def _solve(balance: str | Sequence[str], n_stages: int, nodes: list[fx.Node], tr
 def _cost_source(profile: DeviceProfile, measured: MeasuredCosts | None) -> dict[str, object]:
     """Which numbers priced a plan's compute (the plan's JSON carries it)."""
     if measured is None:
+        paced = profile.mode == "eager" and profile.calibration is not None and profile.calibration.host_probe > 0
         return {"source": "analytic", "profile": profile.name, "mode": profile.mode,
-                "calibrated": profile.calibration is not None}
+                "calibrated": profile.calibration is not None,
+                # the host pace its eager host terms are at ([Note: host pace] in measure/host_pace.py)
+                **({"host_probe_us": profile.calibration.host_probe * 1e6} if paced else {})}
     return {"source": "measured", "device": measured.device, "mode": measured.mode, "dtype": measured.dtype,
             "fingerprint": measured.fingerprint, "torch_version": measured.torch_version,
             "segments": len(measured.segments), "link_profile": profile.name}

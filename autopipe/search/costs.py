@@ -20,7 +20,7 @@ from autopipe.partition.calibration import (BYTE_BOUNDS, BYTE_LABELS, BYTE_LIMIT
                                             launched)
 from autopipe.partition.cost import MATMUL_KINDS, NodeCost, graph_costs, training_state_bytes
 from autopipe.partition.device import COMPILED_FUSION, DeviceProfile
-from autopipe.partition.launch_queue import queue_steps
+from autopipe.partition.launch_queue import queue_by_node
 from autopipe.partition.measured import MeasuredCosts
 from autopipe.partition.cuts import cut_candidates, cut_dag
 from autopipe.shard.collectives import COLLECTIVES, RING_UNITS
@@ -159,17 +159,17 @@ class GraphCosts:
     def _queued(self, fwd: np.ndarray, bwd: np.ndarray, cal: Calibration) -> tuple[np.ndarray, np.ndarray]:
         """Each node's forward and backward seconds when its kernels (device seconds ``fwd``, ``bwd``)
         and views run through the launch queue, as ``analytic_queue_times`` over the kernel table."""
+        k = self._kernels
         # kernels and views in launch order: (node, kernel row or -1 for a view)
-        launches = sorted([(int(n), j) for j, n in enumerate(self._kernels.node)]
+        launches = sorted([(int(n), j) for j, n in enumerate(k.node)]
                           + [(i, -1) for i, c in enumerate(self.costs) if c.kind == "view"])
         out = []
         for d, seconds in ((0, fwd), (1, bwd)):
-            order = launches if d == 0 else launches[::-1]
-            kept = [(n, (cal.view_host[d], 0.0) if j < 0 else (cal.host[d], float(seconds[j]))) for n, j in order
-                    if (seconds[j] > 0 if j >= 0 else cal.view_host[d] > 0)]
-            prices = queue_steps(step for _, step in kept)
-            out.append(np.bincount(np.array([n for n, _ in kept], dtype=int), weights=prices,
-                                   minlength=len(self.costs)))
+            host = [cal.launch_host(fixed or prefix, bool(d)) for fixed, prefix in zip(k.fixed_class, k.prefix)]
+            steps = ((n, cal.view_host[d], 0.0) if j < 0 else (n, host[j], float(seconds[j]))
+                     for n, j in (launches if d == 0 else launches[::-1])
+                     if (seconds[j] > 0 if j >= 0 else cal.view_host[d] > 0))
+            out.append(queue_by_node(steps, len(self.costs)))
         return out[0], out[1]
 
     def _per_kernel(self, cal: Calibration, direction: int, ratio: float) -> tuple[np.ndarray, ...]:
