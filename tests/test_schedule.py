@@ -286,3 +286,16 @@ def test_simulate_catches_dependency_violation() -> None:
     sim = simulate([acts], 1, 2)
     assert any("before its forward" in v for v in sim.dependency_violations)
     assert any("F1.0 before its input" in v for v in sim.dependency_violations)
+
+
+def test_action_lists_are_the_callers_own_though_the_schedule_is_built_once():
+    from autopipe.runtime.schedule import all_rank_actions, rank_actions, stage_slots
+
+    first = all_rank_actions("interleaved_1f1b", 2, 4, 2)
+    first[0].clear()
+    rank_actions("interleaved_1f1b", 2, 4, 2, 1).clear()
+    stage_slots("interleaved_1f1b", 2, 4, 2, 0).clear()
+    again = all_rank_actions("interleaved_1f1b", 2, 4, 2)
+    assert len(again[0]) == len(again[1]) > 0
+    assert rank_actions("interleaved_1f1b", 2, 4, 2, 1) == again[1]
+    assert stage_slots("interleaved_1f1b", 2, 4, 2, 0)

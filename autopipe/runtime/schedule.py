@@ -38,6 +38,7 @@ transfers none; the number is the micro-batch; with v = 2, f/b is chunk 0 and F/
 from __future__ import annotations
 
 import enum
+import functools
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
@@ -189,6 +190,11 @@ def _matching_recv(send: Action) -> Action:
 
 def all_rank_actions(schedule: str, pp: int, m: int, chunks: int) -> list[list[Action]]:
     """Every rank's action list, transfers included. See [Note: transfer order]."""
+    return [list(actions) for actions in _all_rank_actions(schedule, pp, m, chunks)]
+
+
+@functools.lru_cache(maxsize=128)  # the layout search replays the same schedules many times
+def _all_rank_actions(schedule: str, pp: int, m: int, chunks: int) -> tuple[tuple[Action, ...], ...]:
     validate(schedule, pp, m, chunks)
     stages = pp * chunks
     orders = [_compute_order(schedule, pp, m, chunks, r) for r in range(pp)]
@@ -214,8 +220,8 @@ def all_rank_actions(schedule: str, pp: int, m: int, chunks: int) -> list[list[A
             send = _send_after(a, pp, stages)
             if send is not None:
                 actions.append(send)
-        result.append(actions)
-    return result
+        result.append(tuple(actions))
+    return tuple(result)
 
 
 def rank_actions(schedule: str, pp: int, m: int, chunks: int, rank: int) -> list[Action]:
@@ -255,6 +261,11 @@ def stage_slots(schedule: str, pp: int, m: int, chunks: int, rank: int) -> dict[
     at once (at least 1): the CUDA graphs a captured stage needs, one per micro-batch it holds
     ([Note: graph slots] in graphs.py). Their sum may exceed :func:`max_in_flight_bound`: each
     stage reaches its own most at its own time."""
+    return dict(_stage_slots(schedule, pp, m, chunks, rank))
+
+
+@functools.lru_cache(maxsize=4096)  # the layout search asks for the same schedules many times
+def _stage_slots(schedule: str, pp: int, m: int, chunks: int, rank: int) -> tuple[tuple[int, int], ...]:
     held: dict[int, int] = defaultdict(int)
     most: dict[int, int] = {}
     for a in rank_actions(schedule, pp, m, chunks, rank):
@@ -265,7 +276,7 @@ def stage_slots(schedule: str, pp: int, m: int, chunks: int, rank: int) -> dict[
         else:
             continue
         most[a.stage] = max(most.get(a.stage, 1), held[a.stage])
-    return most
+    return tuple(most.items())
 
 
 @dataclass

@@ -16,13 +16,13 @@ from typing import Iterable, Mapping
 import numpy as np
 
 from autopipe.graph import owning_module
-from autopipe.partition.calibration import (BYTE_BOUNDS, BYTE_LABELS, BYTE_LIMITS, Calibration, class_of, compute_class,
-                                            launched)
-from autopipe.partition.cost import MATMUL_KINDS, NodeCost, graph_costs, training_state_bytes
+from autopipe.partition.calibration import BYTE_BOUNDS, BYTE_LABELS, BYTE_LIMITS, Calibration
+from autopipe.partition.cost import NodeCost, graph_costs, training_state_bytes
 from autopipe.partition.device import COMPILED_FUSION, DeviceProfile
 from autopipe.partition.launch_queue import queue_by_node
 from autopipe.partition.measured import MeasuredCosts
 from autopipe.partition.cuts import cut_candidates, cut_dag
+from autopipe.search.kernel_table import KernelTable
 from autopipe.shard.collectives import COLLECTIVES, RING_UNITS
 from autopipe.shard.plan import ShardPlan
 from autopipe.tracer import TracedModel
@@ -97,9 +97,10 @@ class GraphCosts:
         weights = {n: float(c.param_bytes) for n, c in zip(self.order, self.unsharded)}
         self.fixed = {False: _fixed_seconds(self.measured, weights), True: _fixed_seconds(self.recomputed, weights)}
         self.modules = [owning_module(n) for n in nodes]
-        self._kernels = _KernelTable.of(self.costs)
+        self._kernels = KernelTable.of(self.costs)
         self._times: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self._kernel_terms: dict[int, tuple[tuple[np.ndarray, ...], ...]] = {}
+        self._factors: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}
 
     def node_times(self, size: int, profile: DeviceProfile, *,
                    recompute: bool = False) -> tuple[np.ndarray, np.ndarray]:
@@ -192,18 +193,23 @@ class GraphCosts:
         """Calibration.gpu_time less the launch, for every kernel at once: a class by shape
         scales the roofline by its factor; a class by bytes takes the most over its bucket and
         the ones below (see [Note: monotone in bytes])."""
-        k = self._kernels
+        key = (id(cal), direction)
+        if key not in self._factors:  # per kernel: (flops factor, factor) by shape, or one per bucket by bytes
+            k, backward = self._kernels, bool(direction)
+            self._factors[key] = (
+                np.array([bool(f) for f in k.fixed_class]),
+                np.array([[cal.flops_factor(f, backward), cal.factor(f, backward)] if f else [0.0, 0.0]
+                          for f in k.fixed_class]).reshape(-1, 2),
+                np.array([[cal.factor(f"{p}/{label}", backward) for label in BYTE_LABELS] if not f
+                          else [0.0] * len(BYTE_LABELS) for f, p in zip(k.fixed_class, k.prefix)]).reshape(
+                    -1, len(BYTE_LABELS)))
+        fixed, shaped, by_bytes = self._factors[key]
         bucket = np.searchsorted(np.asarray(BYTE_BOUNDS, dtype=float), nbytes, side="left")
-        seconds = np.zeros(len(nbytes))
-        for i, (fixed, prefix) in enumerate(zip(k.fixed_class, k.prefix)):
-            if fixed:
-                seconds[i] = max(compute[i] * cal.flops_factor(fixed, bool(direction)),
-                                 nbytes[i] / bandwidth * cal.factor(fixed, bool(direction)))
-                continue
-            seconds[i] = max(cal.factor(f"{prefix}/{BYTE_LABELS[j]}", bool(direction))
-                             * max(compute[i], min(nbytes[i], BYTE_LIMITS[j]) / bandwidth)
-                             for j in range(int(bucket[i]) + 1))
-        return seconds
+        limits = np.minimum(nbytes[:, None], np.asarray(BYTE_LIMITS)[None, :]) / bandwidth
+        bucketed = by_bytes * np.maximum(compute[:, None], limits)
+        bucketed[np.arange(len(BYTE_LABELS))[None, :] > bucket[:, None]] = 0.0
+        return np.where(fixed, np.maximum(compute * shaped[:, 0], nbytes / bandwidth * shaped[:, 1]),
+                        bucketed.max(axis=1, initial=0.0))
 
     def measured_for(self, size: int, *, recompute: bool = False) -> MeasuredCosts | None:
         """The profile of ``size`` samples, else the one of the nearest size (None without any);
@@ -384,37 +390,3 @@ def _sharded(costs: Mapping[str, NodeCost], plan: ShardPlan) -> dict[str, NodeCo
                                 saved_bytes=out[name].saved_bytes if whole_input else c.saved_bytes)
         out[name] = c
     return out
-
-
-@dataclasses.dataclass
-class _KernelTable:
-    """Every kernel the graph launches (a node, or each part of a composite one), as arrays:
-    what ``DeviceProfile.node_time`` reads, so that every node is priced in one numpy pass."""
-
-    node: np.ndarray  # int: the node it belongs to
-    matmul: np.ndarray  # bool: on matmul units
-    flops: tuple[np.ndarray, np.ndarray]  # forward, backward, at the reference size
-    fixed_bytes: tuple[np.ndarray, np.ndarray]  # bytes that do not grow with the batch (weights)
-    act_bytes: tuple[np.ndarray, np.ndarray]  # bytes that do
-    fixed_class: list[str]  # calibration class when it does not depend on bytes, else ""
-    prefix: list[str]  # else the class's part before the bytes bucket
-    term: list[str]  # its vector-arithmetic term's class, or "" ([Note: depthwise arithmetic])
-    shape: list[str]  # its exact shape where its rule names it ([Note: kernels off their class])
-
-    @classmethod
-    def of(cls, costs: list[NodeCost]) -> _KernelTable:
-        rows = []
-        for i, cost in enumerate(costs):
-            for k in launched(cost):
-                weights = min(float(k.param_bytes), k.fwd_bytes)
-                grads = min(2.0 * k.param_bytes, k.bwd_bytes)
-                fwd_class = class_of(k)  # a class by shape is the same both ways; by bytes, bucketed per pass
-                bytes_class = "/" in fwd_class and ("iB" in fwd_class.rsplit("/", 1)[1])
-                rows.append((i, k.kind in MATMUL_KINDS, k.fwd_flops, k.bwd_flops, weights, grads,
-                             k.fwd_bytes - weights, k.bwd_bytes - grads,
-                             "" if bytes_class else fwd_class, fwd_class.rsplit("/", 1)[0] if bytes_class else "",
-                             compute_class(k) or "", k.shape))
-        cols = list(zip(*rows)) if rows else [[] for _ in range(12)]
-        arr = [np.asarray(c, dtype=float) for c in cols[2:8]]
-        return cls(np.asarray(cols[0], dtype=int), np.asarray(cols[1], dtype=bool), (arr[0], arr[1]),
-                   (arr[2], arr[3]), (arr[4], arr[5]), list(cols[8]), list(cols[9]), list(cols[10]), list(cols[11]))
