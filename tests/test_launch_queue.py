@@ -119,8 +119,12 @@ def test_the_h200_table_prices_eager_stages_through_the_queue_and_the_analytic_s
     assert list(seconds.values()) == pytest.approx([f + b for f, b in queued])
     # The host terms came from stages timed on an H200, committed beside the benchmarks.
     fit = h200.fit["eager_host"]
+    results = pathlib.Path(__file__).parent.parent / "benchmarks" / "results"
     for name in fit["results"]:
-        assert (pathlib.Path(__file__).parent.parent / "benchmarks" / "results" / name).exists()
+        assert (results / name).exists()
+    for name in fit["launch_counts"]:  # the calibration rows the kernels per op were counted in
+        assert (results / "calibration" / name).exists()
+    assert fit["launch_counts"] and h200.host_kernels
     assert fit["error_in_sample"]["mean"] < fit["error_before"]["mean"]
 
 
