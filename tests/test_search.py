@@ -643,3 +643,16 @@ def test_measured_node_times_are_kept_at_their_size_under_a_queued_table():
         for i, name in enumerate(costs.order):
             if name in timed.node_seconds:
                 assert fwd[i] + bwd[i] == pytest.approx(timed.node_seconds[name], rel=1e-9, abs=1e-15)
+
+
+def test_prices_follow_each_table_even_one_made_after_another_was_dropped():
+    # The graph keeps its per-table work by the table's id: a table made after another was
+    # dropped may be given the dropped one's id, and must not be priced by its factors.
+    graph = GraphCosts(_vit_graph(), 2)
+    base = get_profile("h100").with_mode("graphs")
+    for scale in (1.0, 2.0, 4.0, 8.0):
+        profile = dataclasses.replace(base, calibration=dataclasses.replace(
+            base.calibration, factors={k: (f * scale, b * scale) for k, (f, b) in base.calibration.factors.items()}))
+        fwd, _ = graph.node_times(2, profile)
+        assert fwd.tolist() == pytest.approx([f for f, _ in profile.node_times(graph.costs)], rel=1e-9, abs=1e-15)
+        del profile

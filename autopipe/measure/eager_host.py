@@ -26,7 +26,7 @@ stage cut elsewhere starts from an idle device, which its nodes' prices miss onl
 backlog at its edges. The two host figures are fitted per profile on its own segment timings
 (``fit_launch_costs``), so the host the profile ran on sets them. The analytic model replays
 its own kernel prices the same way where its table was fitted so (partition/launch_queue.py,
-``Calibration.launch_queue``): the same two figures, a host time per node and per kernel
+``Calibration.launch_queue``): the same two figures, a host time per op and per kernel
 launched (kernels counted by their kind), and one per view, fitted on timed stages by
 benchmarks/fit_eager_host.py at a host pace the plan scales to its own ([Note: host pace]).
 """

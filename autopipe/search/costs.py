@@ -101,12 +101,16 @@ class GraphCosts:
         self._times: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self._kernel_terms: dict[int, tuple[tuple[np.ndarray, ...], ...]] = {}
         self._factors: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}
+        # The caches are keyed by a table's id: every table seen is kept alive, so that no other
+        # can take its id while these prices are kept.
+        self._tables: dict[int, Calibration | None] = {}
 
     def node_times(self, size: int, profile: DeviceProfile, *,
                    recompute: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """(forward, backward) seconds of every node at ``size`` samples per micro-batch; with
         ``recompute`` (activation checkpointing) the backward runs the forward again: as a
         profile timed with checkpointing measured it where there is one, else as the sum."""
+        self._tables.setdefault(id(profile.calibration), profile.calibration)
         key = (size, profile.name, profile.mode, id(profile.calibration), profile.matmul_flops, profile.mem_bandwidth,
                recompute)
         if key not in self._times:
