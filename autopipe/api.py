@@ -29,7 +29,7 @@ import torch.utils._pytree as pytree
 from .arguments import PRECISIONS, check_deadline, check_on_this_rank, check_parameters, costs_label, resolve_device
 from .errors import ConfigError, ShardingError
 from .measure import MeasureOptions, RunSetup, measured_plan, stage_scale
-from .measure.host_pace import probe_seconds
+from .measure.host_pace import recent_probe_seconds
 from .measure.profile import on_rank0
 from .partition.device import execution_mode
 from .partition.measured import MeasuredCosts
@@ -312,7 +312,7 @@ def _planning_profile(profile: Any, device: torch.device, mode: str) -> Any:
     rank, so that every rank makes the same plan; [Note: host pace])."""
     chosen = default_profile(profile, device)
     if profile is None and mode == "eager" and device.type == "cuda":
-        chosen = chosen.at_host_pace(on_rank0(lambda: probe_seconds(device)))
+        chosen = chosen.at_host_pace(on_rank0(lambda: recent_probe_seconds(device)))
     return chosen
 
 
@@ -387,7 +387,7 @@ def _choose_layout(model: nn.Module, example_inputs: tuple, *, batch: Any, devic
         raise ConfigError(f"pp='auto' needs batch=, the global batch per step over every replica, got {batch!r}")
     world = dist.get_world_size() if dist.is_initialized() else 1
     device = resolve_device(device)
-    name = default_profile(profile, device)
+    name = _planning_profile(profile, device, "eager")  # eager layouts at this host's pace; others have no host terms
     memory = torch.cuda.get_device_properties(device).total_memory * 0.9 if device.type == "cuda" else None
     measured = None
     if isinstance(costs, MeasuredCosts) or (isinstance(costs, (str, os.PathLike)) and costs not in ("analytic", "measured")):

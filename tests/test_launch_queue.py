@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import time
 
 import pytest
 import torch
@@ -179,9 +180,26 @@ def test_the_h200_table_knows_its_hosts_pace_and_an_analytic_eager_plan_says_whi
 def test_the_host_probe_reads_this_hosts_pace():
     from autopipe.measure.host_pace import probe_seconds
 
-    seconds = probe_seconds(torch.device("cpu"), probes=20)
+    begin = time.perf_counter()
+    seconds = probe_seconds(torch.device("cpu"), window=0.2, pause=0.01)
     assert 0 < seconds < 0.1
+    assert time.perf_counter() - begin >= 0.2  # spread over the window, not one burst
 
+
+
+def test_the_host_probe_reads_the_fast_pace_through_a_slow_spell_and_lone_fast_readings(monkeypatch):
+    from autopipe.measure import host_pace
+
+    begin = time.perf_counter()
+    calls = iter(range(10**9))
+
+    def probe(device):  # slow for the first 60% of the window, then fast; 1 in 7 slow readings is fast
+        if time.perf_counter() - begin < 0.12:
+            return 100 * US if next(calls) % 7 == 0 else 260 * US
+        return 200 * US
+
+    monkeypatch.setattr(host_pace.PACE, "probe", probe)
+    assert host_pace.probe_seconds(torch.device("cpu"), window=0.2, pause=0.01) == pytest.approx(200 * US)
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the host's pace is probed on a GPU")
@@ -208,10 +226,47 @@ def test_an_eager_plan_made_on_a_gpu_is_priced_at_this_hosts_pace():
 def test_parallelize_plans_eager_stages_on_a_gpu_at_the_pace_probed_there_and_nothing_else(monkeypatch):
     import autopipe.api as api
 
-    monkeypatch.setattr(api, "probe_seconds", lambda device: 123 * US)
+    monkeypatch.setattr(api, "recent_probe_seconds", lambda device: 123 * US)
     monkeypatch.setattr(api, "default_profile", lambda profile, device: PROFILES[profile or "h200"])
     cuda = torch.device("cuda", 0)  # a device object only: nothing runs on it
     assert api._planning_profile(None, cuda, "eager").calibration.host_probe == pytest.approx(123 * US)
     # CUDA graphs replay without the host; a profile the user gave is theirs; a CPU has no GPU host.
     for profile, device, mode in ((None, cuda, "graphs"), ("h200", cuda, "eager"), (None, torch.device("cpu"), "eager")):
         assert api._planning_profile(profile, device, mode) is PROFILES[profile or "h200"]
+
+
+def test_the_layout_search_prices_eager_layouts_on_a_gpu_at_the_pace_probed_there(monkeypatch):
+    import types
+
+    import autopipe.api as api
+
+    seen = {}
+
+    def plan_layout(model, *, device, **kwargs):
+        seen["profile"] = device
+        layout = types.SimpleNamespace(microbatch_size=lambda batch: 2)
+        return types.SimpleNamespace(best=types.SimpleNamespace(layout=layout))
+
+    monkeypatch.setattr(api, "recent_probe_seconds", lambda device: 123 * US)
+    monkeypatch.setattr(api, "default_profile", lambda profile, device: PROFILES[profile or "h200"])
+    monkeypatch.setattr(api, "resolve_device", torch.device)
+    monkeypatch.setattr(api, "plan_layout", plan_layout)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(total_memory=2**30))
+    api._choose_layout(torch.nn.Linear(4, 4), (torch.randn(4, 4),), batch=8, device="cuda", profile=None,
+                       costs="analytic", mixed_precision=None, deadline=60)
+    assert seen["profile"].calibration.host_probe == pytest.approx(123 * US)
+    api._choose_layout(torch.nn.Linear(4, 4), (torch.randn(4, 4),), batch=8, device="cuda", profile="h200",
+                       costs="analytic", mixed_precision=None, deadline=60)
+    assert seen["profile"] is PROFILES["h200"]  # a profile the user gave is theirs
+
+
+def test_a_recent_probe_is_read_again_only_once_it_is_old(monkeypatch):
+    from autopipe.measure import host_pace
+
+    readings = iter([1.0, 2.0])
+    monkeypatch.setattr(host_pace, "probe_seconds", lambda device: next(readings))
+    monkeypatch.setattr(host_pace, "_RECENT", {})
+    cpu = torch.device("cpu")
+    assert host_pace.recent_probe_seconds(cpu) == 1.0
+    assert host_pace.recent_probe_seconds(cpu) == 1.0  # one pace for a search and its plan
+    assert host_pace.recent_probe_seconds(cpu, max_age=0.0) == 2.0

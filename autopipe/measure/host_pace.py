@@ -23,19 +23,33 @@ The pace differs from one host to the next too: on two H200 hosts a day apart, t
 analytic model's eager host terms are for the pace of the host they were fitted on
 (``Calibration.host_probe``), and a plan made for eager stages on a GPU probes this host first
 (``probe_seconds``) and scales them to it (``DeviceProfile.at_host_pace``).
+
+[Note: planning probe]
+The host keeps two paces, and switches between them every half second to few seconds: on an
+H200 host, probes read 190-215 us in one spell and 255-290 in the next, idle, after a model was
+loaded and after it trained alike (benchmarks/results/2026-11-29-h200-host-probe-series.txt).
+A probe of 0.1 s falls in one spell, and reads either. Plans priced at the slow reading
+overpriced every host-bound stage by the ratio, 1.3-1.4x: ConvNeXt-B at 32 images measured
+1.30 and 1.54 max/mean in 4 and 8 stages, where its stem stage, bound by the GPU, was priced
+right (benchmarks/results/2026-11-29-h200-analytic-plans-eager-paced-v3.json). So the probe is
+spread over ``PROBE_WINDOW`` seconds, longer than most slow spells, in bursts whose medians
+shrug off a lone fast or slow reading, and reads the lowest decile of them: the fast pace, at
+which stages are also timed ([Note: host pace]).
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
-__all__ = ["HostPace", "PACE", "PROBE_OPS", "TOLERANCE", "MORE_SWEEPS", "probe_seconds"]
+__all__ = ["HostPace", "PACE", "PROBE_OPS", "TOLERANCE", "MORE_SWEEPS", "PROBE_WINDOW", "probe_seconds", "recent_probe_seconds"]
 
 PROBE_OPS = 32  # operations a probe issues
 TOLERANCE = 0.15  # a sweep whose probe is within this of the reference is at pace
+PROBE_WINDOW = 2.5  # seconds a planning probe spreads over ([Note: planning probe])
 MORE_SWEEPS = 3  # a timing goes on for at most this many times its sweeps, waiting for the pace
 KEPT_PROBES = 20_000  # probes remembered, the latest
 
@@ -84,16 +98,32 @@ class HostPace:
 PACE = HostPace()  # the process's probes: the pace is the host's, whatever is timed
 
 
-def probe_seconds(device: torch.device, probes: int = 200, bursts: int = 5, pause: float = 0.02) -> float:
-    """This host's pace on ``device``: the lowest decile of ``probes`` probes after a warm-up, in
-    ``bursts`` apart by ``pause`` seconds (a spell of a few tens of ms, the clean-up after a
-    model, does not set it)."""
+def probe_seconds(device: torch.device, window: float = PROBE_WINDOW, burst: int = 10, pause: float = 0.05) -> float:
+    """This host's pace on ``device``: bursts of ``burst`` probes, ``pause`` seconds apart, for
+    ``window`` seconds after a warm-up; the lowest decile of the bursts' medians
+    ([Note: planning probe])."""
     for _ in range(10):
         PACE.probe(device)
-    seen: list[float] = []
-    for burst in range(bursts):
-        if burst:
+    medians: list[float] = []
+    begin = time.perf_counter()
+    while not medians or time.perf_counter() - begin < window:
+        if medians:
             time.sleep(pause)
-        seen += [PACE.probe(device) for _ in range(max(probes // bursts, 1))]
-    seen.sort()
-    return seen[len(seen) // 10]
+        readings = sorted(PACE.probe(device) for _ in range(max(burst, 1)))
+        medians.append(readings[len(readings) // 2])
+    medians.sort()
+    return medians[len(medians) // 10]
+
+
+_RECENT: dict[str, tuple[float, float]] = {}  # device -> (when, reading)
+
+
+def recent_probe_seconds(device: torch.device, max_age: float = 60.0) -> float:
+    """``probe_seconds(device)``, or the reading this process took less than ``max_age`` seconds
+    ago: a layout search and the plan it leads to price at one pace, probed once."""
+    now = time.monotonic()
+    when, reading = _RECENT.get(str(device), (-math.inf, 0.0))
+    if now - when >= max_age:
+        reading = probe_seconds(device)
+        _RECENT[str(device)] = (now, reading)
+    return reading
