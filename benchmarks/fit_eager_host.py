@@ -13,7 +13,9 @@ needed), cut into those pieces, and its stages replayed.
         --name h200 [--write]
 
 Prints the error of the table as it is, of the fit in sample, and leaving each model out of the
-fit in turn (the error a model the fit has not seen carries); with ``--write`` the fitted terms
+fit in turn (the error a model the fit has not seen carries), and per timed plan the spread of
+its stages' measured over modelled times (max/mean: what a plan the fitted terms balance would
+measure, to first order); with ``--write`` the fitted terms
 go into autopipe/partition/calibration/NAME.json (``launch_queue`` set). With ``--launch-counts
 ROWS...`` the model fitted is a host time per op (a node, a composite's part) plus one per
 kernel launched, the kernels an op of each class family launches counted in calibration rows
@@ -62,6 +64,7 @@ class Stage:
     table_price: float  # seconds, as the table prices it today
     pace: float = 0.0  # the timer's reference probe when it was timed ([Note: host pace]), s; 0: not kept
     probe: float = 0.0  # the probe its plan was made at (measure.host_pace.probe_seconds), s; 0: not kept
+    plan: str = ""  # the timed plan it is a stage of
     scale: float = 1.0  # what its host terms are multiplied by: its pace over the table's (--pace)
 
     def __post_init__(self) -> None:
@@ -99,7 +102,7 @@ def stages_of(paths: list[str], name: str, counts: dict[str, tuple[float, float]
         with open(path) as fh:
             data = json.load(fh)
         layout = bool(data.get("channels_last"))
-        for row in data["rows"]:
+        for row_index, row in enumerate(data["rows"]):
             plan = row.get("analytic")
             if row.get("mode") != "eager" or not plan or "stage_starts" not in plan:
                 continue
@@ -130,7 +133,7 @@ def stages_of(paths: list[str], name: str, counts: dict[str, tuple[float, float]
                         kernels.append((True, 0.0, 0.0, 0.0, 0.0))
                 out.append(Stage(row["model"], row["microbatch"], kernels, plan["measured_ms"][i] * 1e-3,
                                  plan["modelled_ms"][i] * 1e-3, row.get("host_pace", {}).get("reference_us", 0.0) * US,
-                                 plan.get("host_probe_us", 0.0) * US))
+                                 plan.get("host_probe_us", 0.0) * US, f"{path}:{row_index}"))
     return out
 
 
@@ -166,6 +169,15 @@ def fit(stages: list[Stage], starts: tuple[tuple[float, ...], ...] = STARTS) -> 
     terms = tuple(float(max(v, 0.0)) for v in min(found, key=lambda r: r.fun).x)
     fixed = max(statistics.median(s.measured - replay(s, terms) for s in stages), 0.0)
     return terms, fixed
+
+
+def plan_spreads(stages: list[Stage], terms: tuple[float, ...], fixed: float) -> np.ndarray:
+    """Per timed plan, the max/mean over its stages of measured over modelled time: what a plan
+    the model balances measures, to first order."""
+    ratios: dict[str, list[float]] = {}
+    for s in stages:
+        ratios.setdefault(s.plan, []).append(s.measured / (replay(s, terms) + fixed))
+    return np.array([max(r) / statistics.mean(r) for r in ratios.values() if len(r) > 1])
 
 
 def summary(err: np.ndarray) -> dict[str, float]:
@@ -228,6 +240,11 @@ def main(argv: list[str] | None = None) -> int:
     print(_line("the table as it is", as_is))
     print(_line(f"{label}, in sample", in_sample))
     print(_line(f"{label}, each left out", loo) + "  " + " ".join(f"{k}={v:.3f}" for k, v in by_model.items()))
+    spreads = plan_spreads(stages, terms, fixed)
+    spread = {"plans": int(len(spreads)), "within_1.15": int((spreads <= 1.15).sum()),
+              "within_1.10": int((spreads <= 1.10).sum()), "mean": float(spreads.mean())}
+    print(f"a plan these terms balance would measure, to first order: {spread['within_1.15']} of {spread['plans']} "
+          f"within 1.15, {spread['within_1.10']} within 1.10, mean {spread['mean']:.3f}")
     node = terms[4:6] if counts else (0.0, 0.0)
     print("host per launched kernel fwd %.1f us bwd %.1f us; per view fwd %.1f us bwd %.1f us; per op fwd %.1f us "
           "bwd %.1f us; stage %.0f us; host probe %.1f us" % (*terms[:4], *node, fixed / US, reference / US))
@@ -239,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
                      + (", each at its host's pace" if args.pace else ""),
               "results": [os.path.basename(p) for p in args.results], "models": sorted(by_model),
               "launch_counts": [os.path.basename(p) for p in args.launch_counts or ()],
-              "error_before": as_is, "error_in_sample": in_sample, "error_leave_one_model_out": loo}
+              "error_before": as_is, "error_in_sample": in_sample, "error_leave_one_model_out": loo,
+              "plan_spread_in_sample": spread}
     if args.write:
         path = os.path.join(CALIBRATION_DIR, f"{args.name}.json")
         with open(path) as fh:

@@ -95,6 +95,20 @@ def test_partition_balances_and_reports_the_scaled_stage_times():
     assert again.stages[0].compute_time == pytest.approx(1.6 * unscaled.stages[0].compute_time)
 
 
+def test_a_stage_read_as_very_slow_still_holds_parameters():
+    """A stage scale read in a noisy stand-in pipeline can call the first stage 50x slow: the cut
+    gives it the least work that still owns parameters, not the input's parameterless first
+    nodes, on which the rank's optimizer would fail."""
+    torch.manual_seed(0)
+    traced = trace(timm_vit(depth=2), (torch.randn(2, 3, 32, 32),))
+    for scale in ((50.0, 1.0), (1.0, 50.0)):
+        plan = partition(traced, 2, device="cpu", stage_scale=scale)
+        assert all(stage.params > 0 for stage in plan.stages), [s.nodes for s in plan.stages]
+    # A model too small for that keeps every cut: the plan is then refused by name (check_parameters).
+    lone = trace(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()), (torch.randn(2, 4),))
+    assert [len(s.nodes) for s in partition(lone, 2, device="cpu").stages] == [2, 1]
+
+
 @pytest.mark.parametrize("scale, kwargs, match", [
     ((1.0,), {}, "one per stage"),
     ((1.0, -1.0), {}, "positive"),

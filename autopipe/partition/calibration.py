@@ -142,8 +142,8 @@ from autopipe.errors import ConfigError
 from autopipe.partition.cost import FREE_KINDS, MATMUL_KINDS, NodeCost
 
 __all__ = ["Calibration", "class_of", "kernel_kind", "plain_class", "load_calibration", "CALIBRATION_DIR", "DIM_BOUNDS",
-           "BYTE_BOUNDS", "BYTE_LABELS", "BYTE_LIMITS", "NHWC", "FLOPS", "COMPUTE", "SHORT_REDUCTION", "split_by_bound",
-           "compute_class", "compute_features", "OFF_CLASS_RATIO", "OFF_CLASS_SECONDS"]
+           "BYTE_BOUNDS", "BYTE_LABELS", "BYTE_LIMITS", "NHWC", "FLOPS", "COMPUTE", "SHORT_REDUCTION", "SHORT_ROW",
+           "split_by_bound", "compute_class", "compute_features", "OFF_CLASS_RATIO", "OFF_CLASS_SECONDS"]
 
 SCHEMA_VERSION = 1
 CALIBRATION_DIR = os.path.join(os.path.dirname(__file__), "calibration")
@@ -154,7 +154,9 @@ COMPUTE = ":compute"  # the mark of a kernel kind's vector-arithmetic term ([Not
 BYTE_BOUNDS = tuple(2**18 * 4**i for i in range(5))  # 256 KiB, 1 MiB, 4 MiB, 16 MiB, 64 MiB
 OFF_CLASS_RATIO, OFF_CLASS_SECONDS = 3.0, 100e-6  # [Note: kernels off their class]
 SHORT_REDUCTION = 2**14  # bytes a channel: a batch norm over fewer rows is short ([Note: short reductions])
-
+SHORT_ROW = 256  # elements a row: a row norm over shorter rows is short ([Note: short rows] in op_rules.py)
+# kinds split off another: a table fitted before the split prices them by it (op_rules: [Note: short rows], SCALE)
+PARENT_KINDS = {"norm:row:short": "norm:row", "elementwise:scale": "elementwise:broadcast"}
 
 BYTE_LABELS = tuple(f"{b >> 20}MiB" if b >= 2**20 else f"{b >> 10}KiB" for b in BYTE_BOUNDS) \
     + (f">{BYTE_BOUNDS[-1] >> 20}MiB",)
@@ -185,7 +187,8 @@ def class_of(cost: NodeCost, *, backward: bool = False) -> str:
     if cost.family == "batch" and cost.min_dim > 0:  # by channels: see op_rules.norm
         short = ":short" if cost.channels_last and cost.out_bytes <= SHORT_REDUCTION * cost.min_dim else ""
         return f"norm:batch{layout}{short}/{_bucket(cost.min_dim, DIM_BOUNDS)}ch"  # [Note: short reductions]
-    kind = f"{cost.kind}:{cost.family}" if cost.family else cost.kind
+    short = ":short" if cost.family == "row" and 0 < cost.min_dim <= SHORT_ROW else ""  # [Note: short rows]
+    kind = (f"{cost.kind}:{cost.family}" if cost.family else cost.kind) + short
     return f"{kind}{layout}/{_bucket(nbytes, BYTE_BOUNDS, _bytes_label)}"
 
 
@@ -204,28 +207,26 @@ def split_by_bound(name: str) -> bool:
 
 
 def plain_class(name: str) -> str:
-    """The NCHW class of the same kernel shape ("conv-nhwc/64" -> "conv/64"): what a table with
-    no channels-last rows prices a channels-last kernel by."""
+    """The NCHW class of the same kernel shape ("conv-nhwc/64" -> "conv/64")."""
     return name.replace(NHWC, "", 1)
 
 
 def dense_class(name: str) -> str:
-    """The class of the ungrouped convolution of the same shape ("gconv-nhwc/32" ->
-    "conv-nhwc/32"): what a table with no rows of grouped convolutions prices one by."""
+    """The class of the ungrouped convolution of the same shape ("gconv-nhwc/32" -> "conv-nhwc/32")."""
     return name[1:] if name.startswith("gconv") else name
 
 
 def _fallbacks(name: str) -> tuple[str, ...]:
     """The classes whose fitted figures price class ``name``, first found first: its own, its
     NCHW class ([Note: kernel layout]), and for a grouped convolution the dense ones
-    ([Note: grouped convolutions])."""
-    dense = dense_class(name)
-    return (name, plain_class(name)) + ((dense, plain_class(dense)) if dense != name else ())
+    ([Note: grouped convolutions]), and for a kind split off another that other's (PARENT_KINDS)."""
+    dense, (kind, _, bucket) = dense_class(name), name.partition("/")
+    parent = (f"{PARENT_KINDS[kind]}/{bucket}",) if kind in PARENT_KINDS else ()
+    return (name, plain_class(name)) + ((dense, plain_class(dense)) if dense != name else ()) + parent
 
 
 def kernel_kind(name: str) -> str:
-    """The kind of kernel a calibration class belongs to ("conv/64" -> "conv"): what its
-    launch time is kept by."""
+    """The kind of a calibration class ("conv/64" -> "conv"), which its launch time is kept by."""
     return name.split("/", 1)[0]
 
 
@@ -308,9 +309,8 @@ class Calibration:
             kernel_kind, _fallbacks(name)) if k in self.host_kernels), 1.0)
 
     def factor(self, name: str, backward: bool) -> float:
-        """The fitted multiplier of class ``name``: a channels-last class the fit never saw
-        takes its NCHW class's, a grouped convolution's class its dense one's, and a class the
-        fit never saw at all 1."""
+        """The fitted multiplier of class ``name``, else of its fallbacks (``_fallbacks``), else 1
+        (a class the fit never saw)."""
         pair = next((self.factors[k] for k in _fallbacks(name) if k in self.factors), None)
         return pair[int(backward)] if pair is not None else 1.0
 

@@ -99,7 +99,7 @@ class NodeCost:
     # (norms by what they normalise over) or "" (other kernels); ``min_dim`` what bounds a
     # kernel's parallelism, never the batch: a linear layer's smaller weight dimension, a batched
     # product's smallest of M, N, K, a conv's channels in or out per group (a stem's 3 input
-    # channels starve it), a batch norm's channels.
+    # channels starve it), a batch norm's channels, a row norm's row length.
     family: str = ""
     min_dim: int = 0
     # Whether the kernel runs on maps laid out channels-last (NHWC): only for the families whose

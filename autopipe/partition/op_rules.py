@@ -17,7 +17,7 @@ from torch.utils import _pytree as pytree
 from autopipe.graph import tensor_bytes, tensor_values, value_of
 from autopipe.memory_format import channels_last_dense
 
-__all__ = ["Op", "Work", "Rule", "STAT_BYTES", "BROADCAST", "DEFAULT"] + [
+__all__ = ["Op", "Work", "Rule", "STAT_BYTES", "BROADCAST", "SCALE", "DEFAULT"] + [
     "view", "maybe_copy", "copy", "matmul", "einsum", "conv", "sdpa", "native_mha", "norm", "elementwise",
     "dropout", "embedding", "pool", "reduction", "linear_module", "mha_module"]
 
@@ -120,7 +120,8 @@ def elementwise(flops_per_element: float = 1.0, saves: str = "inputs", family: s
             "operands": lambda: op.floating_bytes() if _tensor_operands(op.node) >= 2 else 0,
             "none": lambda: 0,
         }[saves]()
-        kernel = BROADCAST if _broadcast_with_gradient(op.node, out) else family
+        kernel = (SCALE if _learned_scale(op.node, out) else BROADCAST) if _broadcast_with_gradient(op.node, out) \
+            else family
         return Work("elementwise", flops_per_element * out.numel(), saved=saved, family=kernel)
 
     return rule
@@ -135,6 +136,12 @@ def elementwise(flops_per_element: float = 1.0, saves: str = "inputs", family: s
 # its own (BROADCAST: "elementwise:broadcast/64MiB"), fitted apart. An operand that gets no
 # gradient (a buffer, a constant, the model's input; Swin's attention mask) does not count.
 BROADCAST = "broadcast"
+# A learned scale of a few elements (ConvNeXt's layer scale: a parameter of C elements over
+# N x H x W x C) sums each over the whole output, a reduction of few long columns: in the H200's
+# calibration rows ConvNeXt's took 2.2-3.5x backward what the broadcast family's factor priced,
+# where the other broadcasts (squeeze-excite gates, position embeddings) fit it. Such an op is a
+# family of its own (SCALE: "elementwise:scale/64MiB").
+SCALE, SCALE_ELEMENTS = "scale", 4096
 
 
 def _broadcast_with_gradient(node: fx.Node, out: torch.Tensor) -> bool:
@@ -146,21 +153,41 @@ def _broadcast_with_gradient(node: fx.Node, out: torch.Tensor) -> bool:
     return False
 
 
+def _learned_scale(node: fx.Node, out: torch.Tensor) -> bool:
+    """Whether an operand of ``node`` is a parameter of at most SCALE_ELEMENTS elements,
+    broadcast over its output (through ops of one tensor input)."""
+    for arg in node.all_input_nodes:
+        value = value_of(arg)
+        if isinstance(value, torch.Tensor) and 0 < value.numel() <= min(SCALE_ELEMENTS, out.numel() - 1) \
+                and _is_parameter(_origin(arg)):
+            return True
+    return False
+
+
 def _gets_gradient(node: fx.Node) -> bool:
     """Whether ``node``'s value gets a gradient: it comes, through ops of one tensor input
     (reshape, unsqueeze, expand...), from a parameter or from a computed activation."""
+    node = _origin(node)
+    return node.op != "placeholder" and (node.op != "get_attr" or _is_parameter(node))
+
+
+def _origin(node: fx.Node) -> fx.Node:
+    """The node ``node``'s value comes from through ops of one tensor input (at most 8)."""
     for _ in range(8):
         inputs = [a for a in node.all_input_nodes if isinstance(value_of(a), torch.Tensor)]
         if node.op not in ("call_function", "call_method") or len(inputs) != 1:
             break
         node = inputs[0]
-    if node.op == "placeholder":
+    return node
+
+
+def _is_parameter(node: fx.Node) -> bool:
+    if node.op != "get_attr":
         return False
-    if node.op == "get_attr":
-        try:
-            node.graph.owning_module.get_parameter(str(node.target))
-        except AttributeError:
-            return False
+    try:
+        node.graph.owning_module.get_parameter(str(node.target))
+    except AttributeError:
+        return False
     return True
 
 
@@ -303,6 +330,17 @@ def native_mha(op: Op) -> Work:
 
 _ROW_NORMS = ("layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm")
 
+# [Note: short rows]
+# A layer norm's kernel reduces each row (the elements one statistic covers) with a block of
+# threads, so its speed follows the row's length as well as its bytes. In the H200's
+# calibration rows (channels-last, bf16 autocast), the forward layer norms over rows of 96-128
+# elements (ConvNeXt's and Swin's first stage) took 1.9-3.0x what their class of bytes priced,
+# over 192-256 1.35-1.9x, over 512 1.0-1.34x, over 1024-2048 0.8-1.2x: one factor per bytes
+# bucket averaged them, and ConvNeXt-B's first two of eight stages at 32 images ran 1.2x their
+# price on the GPU alone. So a row norm's ``min_dim`` is its row length, and rows of SHORT_ROW
+# elements or fewer are a class of their own ("norm:row:short/64MiB"); a table fitted without
+# them prices them as the row norms of their bytes.
+
 
 def _norm_groups(op: Op, x: torch.Tensor) -> int:
     """How many groups the norm keeps statistics for (rows, N * groups, channels)."""
@@ -325,8 +363,10 @@ def norm(op: Op) -> Work:
     batch = isinstance(op.module, nn.modules.batchnorm._BatchNorm) or "batch_norm" in op.name
     # A batch norm's parallelism is its channels (one reduction over N x H x W each): 64
     # channels over large maps leave most of a GPU idle, whatever the bytes.
+    # A row norm's kernel gives each row (the elements one statistic covers) a block of threads:
+    # short rows leave them idle ([Note: short rows]).
     return Work("norm", 5.0 * op.out_tensor.numel(), saved=saved, family="batch" if batch else "row",
-                 min_dim=_norm_groups(op, x) if batch else 0)
+                min_dim=_norm_groups(op, x) if batch else x.numel() // max(_norm_groups(op, x), 1))
 
 
 def dropout(op: Op) -> Work:

@@ -194,7 +194,7 @@ def _partition(
     # on each stage beside it that no node owns. A measured profile's stage cost holds its own.
     copies = [boundary_copy_seconds(b, profile) if measured is None else 0.0 for b in cut_bytes]
     cut_latency = [cut_latency_seconds(b, profile) + c for b, c in zip(cut_bytes, copies)]
-    allowed = allowed_cuts(nodes, gm)
+    allowed = _parameters_at_both_ends(allowed_cuts(nodes, gm), [costs[n].param_count for n in order], n_stages)
     if sum(allowed) + 1 < n_stages:
         raise PartitionError(
             f"cannot cut {len(order)} nodes into {n_stages} stages (pp={pp} x chunks={chunks}): "
@@ -231,6 +231,18 @@ def _partition(
     plan.cost_source = _cost_source(profile, measured)
     plan.floor = balancer.least_imbalance(compute, n_stages, stage_overhead=overhead, allowed_cuts=allowed)
     return plan
+
+
+def _parameters_at_both_ends(allowed: list[bool], params: Sequence[int], n_stages: int) -> list[bool]:
+    """``allowed`` without the cuts that leave the first or the last stage no node that owns
+    parameters, where enough cuts remain for ``n_stages`` stages. A pipeline rank without
+    parameters fails (an optimizer over none), and a stage of the input's parameterless first
+    nodes is what a cut by noisy times (a stage scale read in a stand-in pipeline) can make."""
+    owners = [i for i, p in enumerate(params) if p > 0]
+    if not owners:
+        return allowed
+    kept = [a and owners[0] <= k < owners[-1] for k, a in enumerate(allowed)]
+    return kept if sum(kept) + 1 >= n_stages else allowed
 
 
 def _copies_as_compute(times: list[balancer.StageTime], starts: Sequence[int],
