@@ -69,7 +69,7 @@ class Stage:
 
     def __post_init__(self) -> None:
         # Per pass, in launch order, the steps that launch or are views: (is a view, device s,
-        # launches), as launch_queue.analytic_queue_times replays them.
+        # launches), as launch_queue.analytic_launches lists them.
         self.passes = [[(k[0], k[1 + d], k[3 + d]) for k in kernels if k[0] or k[1 + d] > 0]
                        for d, kernels in ((0, self.kernels), (1, self.kernels[::-1]))]
 

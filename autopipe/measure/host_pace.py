@@ -45,7 +45,8 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["HostPace", "PACE", "PROBE_OPS", "TOLERANCE", "MORE_SWEEPS", "PROBE_WINDOW", "probe_seconds", "recent_probe_seconds"]
+__all__ = ["HostPace", "PACE", "PROBE_OPS", "TOLERANCE", "MORE_SWEEPS", "PROBE_WINDOW", "probe_seconds",
+           "recent_probe_seconds"]
 
 PROBE_OPS = 32  # operations a probe issues
 TOLERANCE = 0.15  # a sweep whose probe is within this of the reference is at pace

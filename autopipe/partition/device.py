@@ -19,7 +19,7 @@ from torch.fx.node import map_aggregate
 from autopipe.errors import ConfigError
 from autopipe.partition.calibration import Calibration, class_of, load_calibration
 from autopipe.partition.cost import FREE_KINDS, MATMUL_KINDS, NodeCost
-from autopipe.partition.launch_queue import analytic_queue_times
+from autopipe.partition.launch_queue import Launch, analytic_launches, queue_by_node
 
 __all__ = ["DeviceProfile", "PROFILES", "EXECUTION_MODES", "execution_mode", "get_profile", "measure_profile",
            "measure_node_times"]
@@ -97,11 +97,21 @@ class DeviceProfile:
         (``Calibration.launch_queue``) replay their kernels through it, the host's work hiding
         under long kernels ([Note: eager launch queue] in measure/eager_host.py); otherwise
         each node as ``node_time`` prices it alone."""
-        cal = self.calibration
-        if self.mode == "eager" and cal is not None and cal.launch_queue:
-            return analytic_queue_times(costs, lambda k, b: self.kernel_time(k, backward=b),
-                                        lambda k, b: cal.launch_host(class_of(k, backward=b), b), cal.view_host)
+        launches = self.launches(costs)
+        if launches is not None:
+            fwd, bwd = (queue_by_node(passed, len(costs)) for passed in launches)
+            return [(float(f), float(b)) for f, b in zip(fwd, bwd)]
         return [(self.node_time(c), self.node_time(c, backward=True)) for c in costs]
+
+    def launches(self, costs: Sequence[NodeCost]) -> tuple[list[Launch], list[Launch]] | None:
+        """The forward and backward launches of ``costs`` through the launch queue, as eager stages
+        under a table fitted that way run them (``launch_queue.analytic_launches``); None where
+        nodes are priced each alone."""
+        cal = self.calibration
+        if self.mode != "eager" or cal is None or not cal.launch_queue:
+            return None
+        return analytic_launches(costs, lambda k, b: self.kernel_time(k, backward=b),
+                                 lambda k, b: cal.launch_host(class_of(k, backward=b), b), cal.view_host)
 
     def at_host_pace(self, probe: float) -> DeviceProfile:
         """This profile for stages launched by a host whose pace probe reads ``probe`` seconds

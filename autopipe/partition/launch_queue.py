@@ -7,6 +7,19 @@ Measured profiles replay their nodes' timed kernels through it; the analytic mod
 fitted that way (``Calibration.launch_queue``) replays its own kernel prices: an op (a node, or a
 part of a composite one) costs the host a time of its own and one per kernel it launches
 (counted by its kind; ``Calibration.launch_host``), and a view a time of its own.
+
+[Note: a stage starts idle]
+One replay of the whole graph prices each node by how far it moves the later of the host's and
+the device's clocks. Where GPU-bound layers come first, the device ends them milliseconds
+behind the host, and the host-bound launches after them hide under that backlog: priced at
+their device time. But a stage starts with an idle queue, whatever ran before it elsewhere. On
+an H200, ResNet-50 at 128 images cut in 8 stages, eager: the nodes of the last stage (layer 4
+and the head, host-bound) summed to 4.17 ms; the stage replayed alone from idle, 5.05 ms; timed,
+5.05 ms (benchmarks/results/2026-11-29-h200-analytic-plans-eager-window-probe-p4b.json). With a
+backlog of b at a stage's first node, the whole-graph sum falls short of the stage's replay by
+min(b, replay - device time): not additive over the nodes. So the partitioner prices each stage
+of a cut by its own replay (``stage_replays``) and cuts again on those prices
+(partitioner.[Note: cuts on stage replays]).
 """
 from __future__ import annotations
 
@@ -16,7 +29,9 @@ import numpy as np
 
 from autopipe.partition.cost import NodeCost
 
-__all__ = ["queue_steps", "queue_by_node", "analytic_queue_times"]
+__all__ = ["Launch", "queue_steps", "queue_by_node", "analytic_launches", "stage_replays"]
+
+Launch = tuple[int, float, float]  # (node, host seconds, device seconds)
 
 
 def queue_steps(steps: Iterable[tuple[float, float]]) -> list[float]:
@@ -46,20 +61,20 @@ def queue_by_node(launches: Iterable[tuple[int, float, float]], nodes: int) -> n
     return np.bincount(np.array(owners, dtype=int), weights=queue_steps(steps), minlength=nodes)
 
 
-def analytic_queue_times(costs: Sequence[NodeCost], kernel_time: Callable[[NodeCost, bool], float],
-                         kernel_host: Callable[[NodeCost, bool], float],
-                         view_host: tuple[float, float]) -> list[tuple[float, float]]:
-    """(forward, backward) seconds of each node of ``costs`` (in graph order) when the forward runs
-    them in order and the backward in reverse (a composite's kernels too), as one eager stage
-    through the launch queue.
+def analytic_launches(costs: Sequence[NodeCost], kernel_time: Callable[[NodeCost, bool], float],
+                      kernel_host: Callable[[NodeCost, bool], float],
+                      view_host: tuple[float, float]) -> tuple[list[Launch], list[Launch]]:
+    """The forward and the backward launches of ``costs`` (in graph order), each (node, host
+    seconds, device seconds) in launch order: the forward runs the nodes in order and the
+    backward in reverse (a composite's kernels too).
 
     ``kernel_time(cost, backward)``: the device seconds of one kernel (0: it launches nothing);
     ``kernel_host(cost, backward)``: what calling it costs the host. A node launches its
     ``parts`` (a composite module) or itself; a view launches nothing and costs the host
     ``view_host[d]`` (d: 0 forward, 1 backward); other nodes without work cost nothing."""
-    out = []
+    out: list[list[Launch]] = []
     for d in (0, 1):
-        launches: list[tuple[int, float, float]] = []
+        launches: list[Launch] = []
         for i in (range(len(costs)) if d == 0 else range(len(costs) - 1, -1, -1)):
             c = costs[i]
             parts = c.parts or (c,)
@@ -69,5 +84,20 @@ def analytic_queue_times(costs: Sequence[NodeCost], kernel_time: Callable[[NodeC
                     launches.append((i, kernel_host(part, bool(d)), seconds))
             if c.kind == "view" and view_host[d] > 0:
                 launches.append((i, view_host[d], 0.0))
-        out.append(queue_by_node(launches, len(costs)))
-    return [(float(f), float(b)) for f, b in zip(*out)]
+        out.append(launches)
+    return out[0], out[1]
+
+
+def stage_replays(launches: Sequence[Sequence[Launch]], starts: Sequence[int]) -> list[float]:
+    """Each stage's seconds, forward and backward, as it runs: its own launches (of ``launches``,
+    the passes ``analytic_launches`` gives) replayed from an idle host and device. Stage s holds
+    the nodes from ``starts[s]`` to the next start ([Note: a stage starts idle])."""
+    bounds = np.asarray(starts)
+    total = [0.0] * len(starts)
+    for passed in launches:
+        steps: list[list[tuple[float, float]]] = [[] for _ in starts]
+        for node, host, device in passed:
+            steps[int(np.searchsorted(bounds, node, side="right")) - 1].append((host, device))
+        for s, stage_steps in enumerate(steps):
+            total[s] += sum(queue_steps(stage_steps))
+    return total

@@ -22,6 +22,8 @@ from .cuts import allowed_cuts, cut_dag, layer_groups, split_positions
 from .device import DeviceProfile, get_profile
 from .measured import MeasuredCosts, fingerprint
 from .plan import CutTensor, PartitionPlan, StagePlan
+from .launch_queue import stage_replays
+from .replayed_cuts import replayed_cut
 from .transfers import boundary_copy_seconds, cut_latency_seconds, cut_seconds, tp_collective_seconds
 
 __all__ = ["partition", "partition_at", "analytic_seconds", "BALANCE_MODES"]
@@ -194,12 +196,11 @@ def _partition(
     # on each stage beside it that no node owns. A measured profile's stage cost holds its own.
     copies = [boundary_copy_seconds(b, profile) if measured is None else 0.0 for b in cut_bytes]
     cut_latency = [cut_latency_seconds(b, profile) + c for b, c in zip(cut_bytes, copies)]
+    cut_cost = [t + lat for t, lat in zip(cut_time, cut_latency)]
     allowed = _parameters_at_both_ends(allowed_cuts(nodes, gm), [costs[n].param_count for n in order], n_stages)
-    if sum(allowed) + 1 < n_stages:
-        raise PartitionError(
-            f"cannot cut {len(order)} nodes into {n_stages} stages (pp={pp} x chunks={chunks}): "
-            f"at most {sum(allowed) + 1} stages are possible; lower pp or chunks"
-        )
+    _check_cut_count(allowed, pp, chunks)
+    # Eager stages priced as each replays ([Note: cuts on stage replays] in replayed_cuts.py).
+    launches, recut = profile.launches([costs[n] for n in order]), starts is None and balance == "cost" and not mem_cap
 
     # What running a stage costs beyond its nodes (see [Note: segments] in measure/profile.py).
     overhead = measured.stage_overhead if measured is not None else \
@@ -211,26 +212,39 @@ def _partition(
             mode += ":stage_scale=" + ",".join(f"{f:.3g}" for f in stage_scale)
     elif stage_scale is not None:
         starts, mode = balancer.solve_scaled(compute, stage_scale, allowed_cuts=allowed, stage_overhead=overhead,
-                                             cut_cost=[t + lat for t, lat in zip(cut_time, cut_latency)]), \
+                                             cut_cost=cut_cost), \
             "cost:stage_scale=" + ",".join(f"{f:.3g}" for f in stage_scale)
     else:
         starts, mode = _solve(balance, n_stages, nodes, traced, compute, cut_time, cut_latency, mem, mem_cap,
                               allowed, overhead, [costs[n].param_count for n in order])
 
+    factors = stage_scale
+    if launches is not None and node_seconds is None and stage_scale is None:  # where nothing else prices them
+        starts, factors = replayed_cut(launches, compute, analytic, starts, recut=recut, allowed=allowed,
+                                       overhead=overhead, cut_cost=cut_cost)
     times = _copies_as_compute(balancer.overlapped_stage_times(compute, starts, cut_time, cut_latency, overhead),
                                starts, copies)
-    if stage_scale is not None:  # as the stages run in the pipeline: see [Note: stage scale]
+    if factors is not None:  # as the stages run: replayed, or in the pipeline ([Note: stage scale])
         times = [balancer.StageTime(t.compute * f, t.comm, t.latency, max(t.compute * f, t.comm) + t.latency)
-                 for t, f in zip(times, stage_scale)]
+                 for t, f in zip(times, factors)]
     plan = _build_plan(traced, nodes, costs, times, dag, starts, state, profile, activation_dtype,
                        pp=pp, chunks=chunks, tp=tp, microbatches=microbatches, mode=mode,
                        schedule=schedule, in_flight=in_flight, model_name=model_name)
     ends = list(starts[1:]) + [len(order)]
-    for stage, i, j in zip(plan.stages, starts, ends):
-        stage.analytic_time = float(sum(analytic[i:j]))
+    replays = stage_replays(launches, starts) if launches else [sum(analytic[i:j]) for i, j in zip(starts, ends)]
+    for stage, seconds in zip(plan.stages, replays):
+        stage.analytic_time = float(seconds)
     plan.cost_source = _cost_source(profile, measured)
     plan.floor = balancer.least_imbalance(compute, n_stages, stage_overhead=overhead, allowed_cuts=allowed)
     return plan
+
+
+def _check_cut_count(allowed: Sequence[bool], pp: int, chunks: int) -> None:
+    if sum(allowed) + 1 < pp * chunks:
+        raise PartitionError(
+            f"cannot cut {len(allowed) + 1} nodes into {pp * chunks} stages (pp={pp} x chunks={chunks}): "
+            f"at most {sum(allowed) + 1} stages are possible; lower pp or chunks"
+        )
 
 
 def _parameters_at_both_ends(allowed: list[bool], params: Sequence[int], n_stages: int) -> list[bool]:

@@ -163,7 +163,7 @@ class GraphCosts:
 
     def _queued(self, fwd: np.ndarray, bwd: np.ndarray, cal: Calibration) -> tuple[np.ndarray, np.ndarray]:
         """Each node's forward and backward seconds when its kernels (device seconds ``fwd``, ``bwd``)
-        and views run through the launch queue, as ``analytic_queue_times`` over the kernel table."""
+        and views run through the launch queue, as ``DeviceProfile.node_times`` over the kernel table."""
         k = self._kernels
         # kernels and views in launch order: (node, kernel row or -1 for a view)
         launches = sorted([(int(n), j) for j, n in enumerate(k.node)]
