@@ -91,13 +91,15 @@ class DeviceProfile:
             gpu *= COMPILED_FUSION  # See [Note: compiled pricing]: the memory-bound kernels between GEMMs fuse.
         return gpu
 
-    def node_times(self, costs: Sequence[NodeCost]) -> list[tuple[float, float]]:
+    def node_times(self, costs: Sequence[NodeCost],
+                   launches: tuple[list[Launch], list[Launch]] | None = None) -> list[tuple[float, float]]:
         """(forward, backward) seconds of each of ``costs``, a graph's nodes in graph order, as a
         stage runs them: eager stages under a table fitted through the launch queue
         (``Calibration.launch_queue``) replay their kernels through it, the host's work hiding
         under long kernels ([Note: eager launch queue] in measure/eager_host.py); otherwise
-        each node as ``node_time`` prices it alone."""
-        launches = self.launches(costs)
+        each node as ``node_time`` prices it alone. ``launches``: ``self.launches(costs)``, where
+        the caller has them."""
+        launches = launches if launches is not None else self.launches(costs)
         if launches is not None:
             fwd, bwd = (queue_by_node(passed, len(costs)) for passed in launches)
             return [(float(f), float(b)) for f, b in zip(fwd, bwd)]

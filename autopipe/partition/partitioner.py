@@ -180,7 +180,8 @@ def _partition(
     # In-flight micro-batches bound activation memory: m for GPipe, about pp for 1F1B.
     in_flight = microbatches if schedule == "gpipe" else min(microbatches, pp * chunks)
     order = [n.name for n in nodes]
-    analytic = [f + b for f, b in profile.node_times([costs[n] for n in order])]
+    launches = profile.launches([costs[n] for n in order])  # eager: [Note: cuts on stage replays]
+    analytic = [f + b for f, b in profile.node_times([costs[n] for n in order], launches)]
     compute = analytic if node_seconds is None else [node_seconds.get(n, t) for n, t in zip(order, analytic)]
     if tp > 1:  # the tensor-parallel collectives the shard rewrite inserted
         for i, node in enumerate(nodes):
@@ -199,8 +200,7 @@ def _partition(
     cut_cost = [t + lat for t, lat in zip(cut_time, cut_latency)]
     allowed = _parameters_at_both_ends(allowed_cuts(nodes, gm), [costs[n].param_count for n in order], n_stages)
     _check_cut_count(allowed, pp, chunks)
-    # Eager stages priced as each replays ([Note: cuts on stage replays] in replayed_cuts.py).
-    launches, recut = profile.launches([costs[n] for n in order]), starts is None and balance == "cost" and not mem_cap
+    recut = starts is None and balance == "cost" and not mem_cap  # [Note: cuts on stage replays]
 
     # What running a stage costs beyond its nodes (see [Note: segments] in measure/profile.py).
     overhead = measured.stage_overhead if measured is not None else \
