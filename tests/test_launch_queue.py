@@ -201,6 +201,35 @@ def test_the_host_probe_reads_the_fast_pace_through_a_slow_spell_and_lone_fast_r
     monkeypatch.setattr(host_pace.PACE, "probe", probe)
     assert host_pace.probe_seconds(torch.device("cpu"), window=0.2, pause=0.01) == pytest.approx(200 * US)
 
+
+def test_the_host_probe_waits_out_a_slow_spell_longer_than_its_window_where_it_saw_the_fast_pace(monkeypatch):
+    from autopipe.measure import host_pace
+
+    def slow_host(spell_from: float):
+        """Slow, but for a glimpse of the fast pace (two bursts of ten, after a warm-up of ten) and
+        a fast spell from ``spell_from`` seconds on."""
+        begin, calls = time.perf_counter(), iter(range(10**9))
+
+        def probe(device):
+            fast = 30 <= next(calls) < 50 or time.perf_counter() - begin >= spell_from
+            return 200 * US if fast else 300 * US
+        return probe
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(host_pace.PACE, "probe", slow_host(0.3))
+    begin = time.perf_counter()
+    assert host_pace.probe_seconds(cpu, window=0.2, pause=0.005, longest=5.0) == pytest.approx(200 * US)
+    assert time.perf_counter() - begin >= 0.3
+    # Nor does it go past its longest, whatever it saw.
+    monkeypatch.setattr(host_pace.PACE, "probe", slow_host(0.3))
+    assert host_pace.probe_seconds(cpu, window=0.1, pause=0.005, longest=0.15) == pytest.approx(300 * US)
+    # A host that keeps its slow pace all along gives no sign of another: the probe stops at its window.
+    monkeypatch.setattr(host_pace.PACE, "probe", lambda device: 300 * US)
+    begin = time.perf_counter()
+    assert host_pace.probe_seconds(cpu, window=0.2, pause=0.005, longest=5.0) == pytest.approx(300 * US)
+    assert time.perf_counter() - begin < 2.0
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the host's pace is probed on a GPU")
 def test_an_eager_plan_made_on_a_gpu_is_priced_at_this_hosts_pace():

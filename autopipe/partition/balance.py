@@ -20,6 +20,7 @@ __all__ = [
     "solve",
     "solve_overlapped",
     "solve_scaled",
+    "overlap_problem",
     "overlapped_stage_times",
     "StageTime",
     "solve_uniform",
@@ -94,7 +95,7 @@ def solve_overlapped(
     S passes over that table find the least largest time, S more settle ties: O(S n w) time,
     O(n w) memory (fx graphs of ~1,000 nodes cut into 8 stages: some 30 ms).
     """
-    problem, cut_t, cut_l = _overlap_problem(compute, n_stages, cut_time, cut_latency, mem, mem_cap, allowed_cuts)
+    problem, cut_t, cut_l = overlap_problem(compute, n_stages, cut_time, cut_latency, mem, mem_cap, allowed_cuts)
     if not problem.feasible(n_stages, float("inf")):
         raise problem.cap_error(n_stages)
     if n_stages == 1:
@@ -327,7 +328,7 @@ def check_starts(starts: Sequence[int], n: int) -> None:
         raise PartitionError(bullets(f"invalid stage starts {starts} for {n} nodes", problems))
 
 
-def _overlap_problem(
+def overlap_problem(
     compute: Sequence[float],
     n_stages: int,
     cut_time: Sequence[float] | None,

@@ -18,7 +18,7 @@ and the head, host-bound) summed to 4.17 ms; the stage replayed alone from idle,
 5.05 ms (benchmarks/results/2026-11-29-h200-analytic-plans-eager-window-probe-p4b.json). With a
 backlog of b at a stage's first node, the whole-graph sum falls short of the stage's replay by
 min(b, replay - device time): not additive over the nodes. So the partitioner prices each stage
-of a cut by its own replay (``stage_replays``) and cuts again on those prices
+of a cut by its own replay (``stage_replays``) and cuts on those prices
 (partitioner.[Note: cuts on stage replays]).
 """
 from __future__ import annotations

@@ -200,7 +200,7 @@ def _partition(
     cut_cost = [t + lat for t, lat in zip(cut_time, cut_latency)]
     allowed = _parameters_at_both_ends(allowed_cuts(nodes, gm), [costs[n].param_count for n in order], n_stages)
     _check_cut_count(allowed, pp, chunks)
-    recut = starts is None and balance == "cost" and not mem_cap  # [Note: cuts on stage replays]
+    recut = starts is None and balance == "cost"  # [Note: cuts on stage replays]
 
     # What running a stage costs beyond its nodes (see [Note: segments] in measure/profile.py).
     overhead = measured.stage_overhead if measured is not None else \
@@ -221,7 +221,8 @@ def _partition(
     factors = stage_scale
     if launches is not None and node_seconds is None and stage_scale is None:  # where nothing else prices them
         starts, factors = replayed_cut(launches, compute, analytic, starts, recut=recut, allowed=allowed,
-                                       overhead=overhead, cut_cost=cut_cost)
+                                       overhead=overhead, cut_time=cut_time, cut_latency=cut_latency,
+                                       mem=mem, mem_cap=mem_cap)
     times = _copies_as_compute(balancer.overlapped_stage_times(compute, starts, cut_time, cut_latency, overhead),
                                starts, copies)
     if factors is not None:  # as the stages run: replayed, or in the pipeline ([Note: stage scale])

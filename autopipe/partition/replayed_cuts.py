@@ -4,48 +4,95 @@
 Where eager stages replay their launches through the launch queue (a table fitted that way,
 ``Calibration.launch_queue``), a stage costs its own replay from an idle host and device, not the
 sum of its nodes' prices from one replay of the whole graph ([Note: a stage starts idle] in
-launch_queue.py). The balancers add node prices. So the partitioner cuts on them first, replays
-each stage of that cut, and cuts again with each stage's replay over its sum as the stage's
-factor (``balance.solve_scaled``, the solver of stage scales): up to ``RECUTS`` times, while the
-largest replayed stage shrinks. A cut given (start positions, split points, a parameter count)
-is kept, and only priced by the replays. The plan's stage times are the replays.
+launch_queue.py). The balancers add node prices; a replay does not add up over nodes. But it has
+a closed form, [Note: a replay's closed form], so every stage's replay costs O(1) after O(L log L)
+over the L launches, and the min-max dynamic program of ``balance.solve_overlapped`` (its
+``Band`` of stages, by start and end) runs on the replays as they are: the cut is the exact least
+largest replayed stage. The balancers' cut on node prices bounds it: a stage replayed from idle
+costs at least its nodes' whole-graph prices, so a stage whose nodes sum past that cut's largest
+replay is in no better cut, and the band leaves it out. A cut given (start positions, split
+points, a parameter count) is kept, and only priced by the replays. The plan's stage times are
+the replays.
+
+[Note: a replay's closed form]
+A pass of launches (host seconds h_k, device seconds d_k) from an idle host and device ends at
+max(H, D): the host's clock H = sum h, and the device's D = max over k of (H_k + sum_{j >= k} d_j),
+H_k the host's clock once it has launched k (the device last waited for the host at some launch
+k and ran from there without a gap). For the launches [p, q) of one pass, with exclusive prefix
+sums Hx, Dx and G_k = Hx[k+1] - Dx[k]:
+    replay(p, q) = max(Hx[q] - Hx[p], max_{p <= k < q} G_k - Hx[p] + Dx[q]),
+a range maximum of one array, which a sparse table answers for every (p, q) at once.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
-from . import balance as balancer
+import numpy as np
+
+from .balance import overlap_problem
+from .balance_problem import Band, Windows, stage_time
 from .launch_queue import Launch, stage_replays
 
-__all__ = ["RECUTS", "replayed_cut"]
-
-RECUTS = 3  # cuts made again on stage replays, at most
+__all__ = ["pass_replays", "replayed_cut"]
 
 
-def _stage_seconds(launches: Sequence[Sequence[Launch]], compute: Sequence[float], analytic: Sequence[float],
-                   starts: Sequence[int], overhead: float) -> tuple[list[float], list[float]]:
-    """Each stage's compute as it runs (its replay, what ``compute`` adds to the ``analytic`` node
-    prices, such as tensor-parallel collectives, and ``overhead``), and as its nodes sum."""
-    ends = list(starts[1:]) + [len(compute)]
-    summed = [sum(compute[i:j]) + overhead for i, j in zip(starts, ends)]
-    extra = [s - sum(analytic[i:j]) - overhead for s, i, j in zip(summed, starts, ends)]
-    return [r + e + overhead for r, e in zip(stage_replays(launches, starts), extra)], summed
+def pass_replays(launches: Sequence[Launch], heads: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """The replay from idle of the launches of nodes [heads, ends) (arrays of one shape) in one
+    pass, in launch order: nodes ascending (a forward) or descending (a backward)
+    ([Note: a replay's closed form])."""
+    nodes = np.fromiter((n for n, _, _ in launches), dtype=np.int64, count=len(launches))
+    backward = len(nodes) > 1 and nodes[0] > nodes[-1]
+    host = np.fromiter((h for _, h, _ in launches), dtype=float, count=len(launches))
+    device = np.fromiter((d for _, _, d in launches), dtype=float, count=len(launches))
+    hx = np.concatenate(([0.0], np.cumsum(host)))
+    dx = np.concatenate(([0.0], np.cumsum(device)))
+    if backward:  # the launches of nodes >= b come first
+        first, stop = (np.searchsorted(-nodes, -b, side="right") for b in (ends, heads))
+    else:
+        first, stop = (np.searchsorted(nodes, b, side="left") for b in (heads, ends))
+    shape = first.shape
+    first, stop = first.ravel(), stop.ravel()
+    if len(launches) == 0:
+        return np.zeros(shape)
+    peak = Windows(first, stop - 1, len(launches)).reduce(hx[1:] - dx[:-1], np.maximum, -np.inf)
+    replay = np.maximum(hx[stop] - hx[first], peak - hx[first] + dx[stop])
+    return np.where(stop > first, replay, 0.0).reshape(shape)
+
+
+def _stage_seconds(launches: Sequence[Sequence[Launch]], extra: np.ndarray, heads: np.ndarray, ends: np.ndarray,
+                   overhead: float) -> np.ndarray:
+    """The compute of stages [heads, ends) as they run: forward and backward replayed, what
+    ``extra`` adds beyond the launches (prefix sums over boundaries), and ``overhead``."""
+    replay = sum(pass_replays(p, heads, ends) for p in launches)
+    return replay + extra[ends] - extra[heads] + overhead
 
 
 def replayed_cut(launches: Sequence[Sequence[Launch]], compute: Sequence[float], analytic: Sequence[float],
-                 starts: list[int], *, recut: bool, cut_cost: Sequence[float], allowed: Sequence[bool],
-                 overhead: float) -> tuple[list[int], list[float]]:
-    """The cut (``starts``, or with ``recut`` one made again on stage replays) and each of its
-    stages' replayed compute over its summed compute ([Note: cuts on stage replays]).
-    ``launches``: the graph's forward and backward launches (``DeviceProfile.launches``);
-    ``compute`` the node prices the balancers cut on, ``analytic`` their part the launches hold."""
-    replayed, summed = _stage_seconds(launches, compute, analytic, starts, overhead)
-    for _ in range(RECUTS if recut and len(starts) > 1 else 0):
-        factors = tuple(r / s if s > 0 else 1.0 for r, s in zip(replayed, summed))
-        again = balancer.solve_scaled(compute, factors, cut_cost=cut_cost, allowed_cuts=allowed,
-                                      stage_overhead=overhead)
-        replayed_again, summed_again = _stage_seconds(launches, compute, analytic, again, overhead)
-        if max(replayed_again) >= max(replayed):
-            break
-        starts, replayed, summed = again, replayed_again, summed_again
-    return starts, [r / s if s > 0 else 1.0 for r, s in zip(replayed, summed)]
+                 starts: list[int], *, recut: bool, cut_time: Sequence[float], cut_latency: Sequence[float],
+                 allowed: Sequence[bool], overhead: float, mem: Sequence[float] | None = None,
+                 mem_cap: float | None = None) -> tuple[list[int], list[float]]:
+    """The cut (``starts``, or with ``recut`` the one whose largest replayed stage is least) and
+    each of its stages' replayed compute over its summed compute ([Note: cuts on stage replays]).
+    ``launches``: the graph's passes of launches, a forward and a backward (``DeviceProfile.launches``);
+    ``compute`` the node prices the balancers cut on (``starts`` among them), ``analytic`` their
+    part the launches hold; a stage takes ``max(compute, comm) + latency`` with the transfers
+    ``cut_time`` and ``cut_latency``, as ``balance.solve_overlapped`` counts it."""
+    n = len(compute)
+    extra = np.concatenate(([0.0], np.cumsum(np.subtract(compute, analytic))))
+    if recut and len(starts) > 1:
+        problem, cut_t, cut_l = overlap_problem(compute, len(starts), cut_time, cut_latency, mem, mem_cap, allowed)
+        fences = np.array([*starts, n])
+        given = _stage_seconds(launches, extra, fences[:-1], fences[1:], overhead)
+        bound = float(np.max(np.maximum(given, cut_t[fences[:-1]] + cut_t[fences[1:]])
+                             + cut_l[fences[:-1]] + cut_l[fences[1:]])) * (1 + 1e-9)  # rounding
+        band = Band.build(problem, cut_t, cut_l, bound, overhead)  # every stage summing within the bound
+        seconds = _stage_seconds(launches, extra, np.broadcast_to(band.heads[:, None], band.ends.shape), band.ends,
+                                 overhead)
+        _, comm, latency, _ = stage_time(problem.prefix, cut_t, cut_l, band.heads[:, None], band.ends, overhead)
+        band = Band(n, band.heads, band.ends, np.where(np.isfinite(band.time), np.maximum(seconds, comm) + latency,
+                                                       np.inf), band.weight)
+        starts = band.pick(len(starts), band.least_max(len(starts)))
+    ends = list(starts[1:]) + [n]
+    replayed = [r + extra[j] - extra[i] + overhead for r, i, j in zip(stage_replays(launches, starts), starts, ends)]
+    summed = [float(sum(compute[i:j])) + overhead for i, j in zip(starts, ends)]
+    return list(starts), [r / s if s > 0 else 1.0 for r, s in zip(replayed, summed)]

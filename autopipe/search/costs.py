@@ -19,7 +19,7 @@ from autopipe.graph import owning_module
 from autopipe.partition.calibration import BYTE_BOUNDS, BYTE_LABELS, BYTE_LIMITS, Calibration
 from autopipe.partition.cost import NodeCost, graph_costs, training_state_bytes
 from autopipe.partition.device import COMPILED_FUSION, DeviceProfile
-from autopipe.partition.launch_queue import queue_by_node
+from autopipe.partition.launch_queue import Launch, queue_by_node
 from autopipe.partition.measured import MeasuredCosts
 from autopipe.partition.cuts import cut_candidates, cut_dag
 from autopipe.search.kernel_table import KernelTable
@@ -99,6 +99,7 @@ class GraphCosts:
         self.modules = [owning_module(n) for n in nodes]
         self._kernels = KernelTable.of(self.costs)
         self._times: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+        self._passes: dict[tuple, list[list[Launch]] | None] = {}  # by node_times' key, without recompute
         self._kernel_terms: dict[int, tuple[tuple[np.ndarray, ...], ...]] = {}
         self._factors: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}
         # The caches are keyed by a table's id: every table seen is kept alive, so that no other
@@ -115,17 +116,31 @@ class GraphCosts:
                recompute)
         if key not in self._times:
             if not recompute:
-                self._times[key] = self._node_times(size, profile, self.measured_for(size))
+                fwd, bwd, self._passes[key[:-1]] = self._node_times(size, profile, self.measured_for(size))
+                self._times[key] = (fwd, bwd)
             elif self.recomputed:
-                self._times[key] = self._node_times(size, profile, self.measured_for(size, recompute=True),
-                                                    recompute=True)
+                fwd, bwd, _ = self._node_times(size, profile, self.measured_for(size, recompute=True), recompute=True)
+                self._times[key] = (fwd, bwd)
             else:
                 fwd, bwd = self.node_times(size, profile)
                 self._times[key] = (fwd, bwd + fwd)
         return self._times[key]
 
+    def launches(self, size: int, profile: DeviceProfile, *, recompute: bool = False) -> list[list[Launch]] | None:
+        """The passes of launches (node, host seconds, device seconds) in launch order whose
+        replays through the launch queue price eager stages at ``size`` (partition/replayed_cuts.py,
+        [Note: cuts on stage replays]): the forward, then the backward, which with ``recompute``
+        runs the forward again first. None where nodes are priced otherwise: another mode, a
+        measured profile, a table not fitted through the queue."""
+        self.node_times(size, profile)
+        key = (size, profile.name, profile.mode, id(profile.calibration), profile.matmul_flops, profile.mem_bandwidth)
+        passes = self._passes[key]
+        if passes is None or not recompute:
+            return passes
+        return None if self.recomputed else [passes[0], passes[0], passes[1]]
+
     def _node_times(self, size: int, profile: DeviceProfile, measured: MeasuredCosts | None, *,
-                    recompute: bool = False) -> tuple[np.ndarray, np.ndarray]:
+                    recompute: bool = False) -> tuple[np.ndarray, np.ndarray, list[list[Launch]] | None]:
         ratio = size / self.reference_size
         k = self._kernels
         # Measured prices hold the queue already; the model only scales them, node by node.
@@ -153,17 +168,19 @@ class GraphCosts:
                     seconds = seconds + cal.gap_time(profile.mode)
             seconds = np.where((flops > 0) | (nbytes > 0), seconds, 0.0)
             out.append(seconds)
+        passes = None
         if queued:  # the kernels' device times through the launch queue, as DeviceProfile.node_times
-            fwd, bwd = self._queued(out[0], out[1], profile.calibration)
+            passes = self._launch_passes(out[0], out[1], profile.calibration)
+            fwd, bwd = (queue_by_node(p, len(self.costs)) for p in passes)
         else:
             fwd, bwd = (np.bincount(k.node, weights=seconds, minlength=len(self.costs)) for seconds in out)
         if measured is not None:
             fwd, bwd = self._from_measured(measured, size, profile, fwd, bwd, self.fixed[recompute])
-        return fwd, bwd
+        return fwd, bwd, passes
 
-    def _queued(self, fwd: np.ndarray, bwd: np.ndarray, cal: Calibration) -> tuple[np.ndarray, np.ndarray]:
-        """Each node's forward and backward seconds when its kernels (device seconds ``fwd``, ``bwd``)
-        and views run through the launch queue, as ``DeviceProfile.node_times`` over the kernel table."""
+    def _launch_passes(self, fwd: np.ndarray, bwd: np.ndarray, cal: Calibration) -> list[list[Launch]]:
+        """The forward and the backward launches of the kernels (device seconds ``fwd``, ``bwd``)
+        and views, as ``DeviceProfile.launches`` makes them over the kernel table."""
         k = self._kernels
         # kernels and views in launch order: (node, kernel row or -1 for a view)
         launches = sorted([(int(n), j) for j, n in enumerate(k.node)]
@@ -171,11 +188,10 @@ class GraphCosts:
         out = []
         for d, seconds in ((0, fwd), (1, bwd)):
             host = [cal.launch_host(fixed or prefix, bool(d)) for fixed, prefix in zip(k.fixed_class, k.prefix)]
-            steps = ((n, cal.view_host[d], 0.0) if j < 0 else (n, host[j], float(seconds[j]))
-                     for n, j in (launches if d == 0 else launches[::-1])
-                     if (seconds[j] > 0 if j >= 0 else cal.view_host[d] > 0))
-            out.append(queue_by_node(steps, len(self.costs)))
-        return out[0], out[1]
+            out.append([(n, cal.view_host[d], 0.0) if j < 0 else (n, host[j], float(seconds[j]))
+                        for n, j in (launches if d == 0 else launches[::-1])
+                        if (seconds[j] > 0 if j >= 0 else cal.view_host[d] > 0)])
+        return out
 
     def _per_kernel(self, cal: Calibration, direction: int, ratio: float) -> tuple[np.ndarray, ...]:
         """Each kernel's launch time, vector-arithmetic factor ([Note: depthwise arithmetic]) and

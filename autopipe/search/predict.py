@@ -70,6 +70,7 @@ import numpy as np
 from autopipe.partition import balance as balancer
 from autopipe.partition.device import DeviceProfile
 from autopipe.partition.transfers import boundary_copy_seconds
+from autopipe.partition.replayed_cuts import pass_replays, replayed_cut
 from autopipe.runtime.host_links import ring_slots
 from autopipe.runtime.schedule import max_in_flight_bound, stage_slots
 
@@ -179,27 +180,20 @@ def predict(graph: GraphCosts, layout: Layout, pricing: Pricing, *, timeline: bo
     copies = cut_bytes * boundary_copy_rate(pricing, layout, graph, size)
     compute = fwd + bwd
     link = pricing.links
-
-    def solve() -> list[int]:
-        if stages == 1:
-            return [0]
-        cut_time = cut_bytes / link.p2p_bandwidth
-        cut_latency = np.where(cut_bytes > 0, 2 * link.p2p_latency, 0.0) + copies
-        return balancer.solve_overlapped(compute, stages, cut_time=cut_time, cut_latency=cut_latency,
-                                         allowed_cuts=graph.allowed, stage_overhead=overhead)
-
+    # Eager stages through the launch queue: each replayed alone ([Note: cuts on stage replays]).
+    passes = graph.launches(size, pricing.profile.with_mode(layout.mode), recompute=layout.recompute)
     key = (id(graph), stages, size, layout.mode, layout.recompute)
     cuts = {} if cuts is None else cuts
     if key not in cuts:
-        cuts[key] = solve()
+        cuts[key] = _cut(graph, layout, size, pricing, (fwd, bwd), cut_bytes, copies, overhead, passes)
     starts = cuts[key]
     ends = starts[1:] + [len(compute)]
-    f_prefix, b_prefix = np.concatenate(([0.0], np.cumsum(fwd))), np.concatenate(([0.0], np.cumsum(bwd)))
     copied = [(float(copies[i - 1]) if i > 0 else 0.0) + (float(copies[j - 1]) if j < len(compute) else 0.0)
               for i, j in zip(starts, ends)]  # half in the forward, half in the backward
     scale = _stage_scale(layout, pricing)
-    stage_f = [float(f_prefix[j] - f_prefix[i]) * scale + (overhead + c) / 2 for i, j, c in zip(starts, ends, copied)]
-    stage_b = [float(b_prefix[j] - b_prefix[i]) * scale + (overhead + c) / 2 for i, j, c in zip(starts, ends, copied)]
+    run_f, run_b = _stage_passes(graph, layout, size, pricing, (fwd, bwd), passes, starts, ends)
+    stage_f = [float(t) * scale + (overhead + c) / 2 for t, c in zip(run_f, copied)]
+    stage_b = [float(t) * scale + (overhead + c) / 2 for t, c in zip(run_b, copied)]
     sends = [link.p2p(float(cut_bytes[j - 1])) if j < len(compute) else 0.0 for j in ends]
     grads = [link.p2p(float(cut_bytes[i - 1])) if i > 0 else 0.0 for i in starts]
     per_transfer = pricing.transfer_overhead if layout.chunks == 1 or pricing.interleaved_transfer_overhead is None \
@@ -246,6 +240,41 @@ def predict(graph: GraphCosts, layout: Layout, pricing: Pricing, *, timeline: bo
                       {"pipeline": run.makespan, "dp_all_reduce": all_reduce, "optimizer": optimizer,
                        "weight_casts": casts, "grad_norm": norm},
                       [f + b for f, b in zip(stage_f, stage_b)], list(starts), run.spans)
+
+
+def _cut(graph: GraphCosts, layout: Layout, size: int, pricing: Pricing, seconds: tuple[np.ndarray, ...],
+         cut_bytes: np.ndarray, copies: np.ndarray, overhead: float, passes: list | None) -> list[int]:
+    """The stages' starts whose largest time is least: the nodes' ``seconds`` summed, or where
+    eager stages replay through the launch queue (``passes``), each stage replayed."""
+    stages, compute = layout.pp * layout.chunks, seconds[0] + seconds[1]
+    if stages == 1:
+        return [0]
+    cut_time = cut_bytes / pricing.links.p2p_bandwidth
+    cut_latency = np.where(cut_bytes > 0, 2 * pricing.links.p2p_latency, 0.0) + copies
+    starts = balancer.solve_overlapped(compute, stages, cut_time=cut_time, cut_latency=cut_latency,
+                                       allowed_cuts=graph.allowed, stage_overhead=overhead)
+    if passes is None:
+        return starts
+    queued = np.add(*graph.node_times(size, pricing.profile.with_mode(layout.mode), recompute=layout.recompute))
+    return replayed_cut(passes, compute, queued, starts, recut=True, cut_time=cut_time, cut_latency=cut_latency,
+                        allowed=graph.allowed, overhead=overhead)[0]
+
+
+def _stage_passes(graph: GraphCosts, layout: Layout, size: int, pricing: Pricing, seconds: tuple[np.ndarray, ...],
+                  passes: list | None, starts: list[int], ends: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Each stage's forward and backward compute: the sums of its nodes' ``seconds``, or where
+    eager stages replay through the launch queue (``passes``), its own passes replayed from idle
+    and what ``seconds`` adds beyond them (tensor-parallel collectives)."""
+    heads, tails = np.asarray(starts), np.asarray(ends)
+    summed = [np.concatenate(([0.0], np.cumsum(t))) for t in seconds]
+    summed = [p[tails] - p[heads] for p in summed]
+    if passes is None:
+        return summed[0], summed[1]
+    queued = graph.node_times(size, pricing.profile.with_mode(layout.mode), recompute=layout.recompute)
+    queued = [np.concatenate(([0.0], np.cumsum(t))) for t in queued]
+    extra = [s - (q[tails] - q[heads]) for s, q in zip(summed, queued)]
+    return pass_replays(passes[0], heads, tails) + extra[0], \
+        sum(pass_replays(p, heads, tails) for p in passes[1:]) + extra[1]
 
 
 def _stage_scale(layout: Layout, pricing: Pricing) -> float:
