@@ -1,7 +1,8 @@
 """The ``autopipe`` command: ``autopipe report MODEL --pp 4 --batch 256 --microbatches 8`` plans a
 model on the meta device and prints the stage table, optionally writing the JSON and a figure;
 ``autopipe profile MODEL --batch 256 --out FILE`` times the model on this machine's GPU, and the
-file prices ``autopipe report --costs FILE`` anywhere.
+file prices ``autopipe report --costs FILE`` anywhere; ``autopipe pace`` reads a GPU host's pace, which
+``--host-pace`` gives report and plan on another machine.
 
 Errors that are the user's to fix (every :class:`AutopipeError`) print one message and exit 2;
 anything else is a bug and prints one line too, exit 1 (``--traceback`` shows where).
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from typing import Any, Sequence
@@ -19,7 +21,8 @@ import torch.distributed as dist
 
 from .errors import AutopipeError, ConfigError
 from .measure import ProfileCache, RunSetup, profile_graph
-from .partition.device import EXECUTION_MODES, PROFILES
+from .measure.host_pace import probe_seconds
+from .partition.device import EXECUTION_MODES, PROFILES, DeviceProfile, get_profile
 from .partition.measured import MeasuredCosts
 from .partition.partitioner import BALANCE_MODES
 from .partition.report import check_figure_path, plot
@@ -39,6 +42,10 @@ examples:
   autopipe report timm:vit_huge_patch14_224 --pp 8 --batch 256 --microbatches 8 --figure vit_h.png
   autopipe report torchvision:resnet50 --pp 4 --batch 128 --microbatches 4 --balance params
 """
+
+
+_HOST_PACE_HELP = ("the pace of the host the stages will run on, in us, as `autopipe pace` reads it there; "
+                   "eager stages are priced at it (default: the pace of the host the device table was fitted on)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,11 +85,18 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--stage-scale", metavar="F,F,...",
                         help="per stage, how much slower it ran inside a pipeline than alone "
                              "(autopipe.measure.stage_scale); the cut balances the scaled times")
+    report.add_argument("--host-pace", type=float, default=None, metavar="US", help=_HOST_PACE_HELP)
     report.add_argument("--json", metavar="PATH", help="write the plan as JSON")
     report.add_argument("--figure", metavar="PATH", help="draw the plan (.png, .svg or .pdf)")
     report.add_argument("--traceback", action="store_true", help="show the traceback of an internal error")
     _add_profile_parser(sub)
     _add_plan_parser(sub)
+    pace = sub.add_parser("pace", help="read this host's pace, the one eager stages are priced at",
+                          description="Probe how fast this host launches work on its GPU, as parallelize does "
+                                      "before it plans eager stages; pass the reading to report and plan as "
+                                      "--host-pace on a machine without the GPU.")
+    pace.add_argument("--device", default="cuda", help="the GPU to probe (default cuda)")
+    pace.add_argument("--traceback", action="store_true", help="show the traceback of an internal error")
     links = sub.add_parser("links", help="measure the links between this machine's devices (under torchrun)",
                            description="Time point-to-point transfers and all-reduces between the processes "
                                        "torchrun started and write the link model for `autopipe plan --links`.",
@@ -113,6 +127,7 @@ def _add_plan_parser(sub: Any) -> None:
     plan.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="bf16",
                       help="mixed precision the stages run in (default bf16)")
     plan.add_argument("--image-size", type=int, default=None, help="input height and width (default: the model's)")
+    plan.add_argument("--host-pace", type=float, default=None, metavar="US", help=_HOST_PACE_HELP)
     plan.add_argument("--top", type=int, default=12, help="layouts to list (default 12)")
     plan.add_argument("--json", metavar="PATH", help="write every prediction and refusal as JSON")
     plan.add_argument("--figure", metavar="PATH", help="draw the top layouts and the chosen one's timeline")
@@ -128,7 +143,7 @@ def _plan(args: argparse.Namespace) -> None:
     for path in args.profile:
         m = MeasuredCosts.load(path)
         measured[m.input_shapes[0][0]] = m
-    result = plan_layout(args.model, devices=args.gpus, batch=args.batch, device=args.device,
+    result = plan_layout(args.model, devices=args.gpus, batch=args.batch, device=_paced(args.device, args.host_pace),
                          memory=None if args.memory is None else args.memory * 2**30,
                          links=LinkModel.load(args.links) if args.links else None, measured=measured or None,
                          image_size=args.image_size, mixed_precision=None if args.precision == "fp32" else args.precision)
@@ -204,6 +219,31 @@ def _profile(args: argparse.Namespace) -> None:
     print(f"profile written to {args.out}")
 
 
+def _paced(device: str, pace_us: float | None) -> str | DeviceProfile:
+    """The device profile ``device``, its host terms at ``pace_us`` (``--host-pace``) where given."""
+    if pace_us is None:
+        return device
+    if not (math.isfinite(pace_us) and pace_us > 0):
+        raise ConfigError(f"--host-pace {pace_us!r}: give the microseconds `autopipe pace` printed on the host the "
+                          "stages will run on, a positive number")
+    profile = get_profile(device)
+    if profile.calibration is None or not profile.calibration.host_probe > 0:
+        raise ConfigError(f"--host-pace: the {profile.name} device table records no host pace to scale from; leave "
+                          "--host-pace out, and its eager stages are priced at the host it was fitted on")
+    return profile.at_host_pace(pace_us * 1e-6)
+
+
+def _pace(args: argparse.Namespace) -> None:
+    device = torch.device(args.device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise ConfigError(f"--device {args.device!r}: the host's pace is read against a GPU's launches, and "
+                          f"{'this machine has none' if not torch.cuda.is_available() else 'that is not one'}; "
+                          "run `autopipe pace` on the GPU host the stages will run on")
+    seconds = probe_seconds(device)
+    print(f"host pace {seconds * 1e6:.0f} us on {torch.cuda.get_device_name(device)} "
+          f"(give --host-pace {seconds * 1e6:.0f} to autopipe report and autopipe plan)")
+
+
 def _stage_scale(text: str | None) -> tuple[float, ...] | None:
     if text is None:
         return None
@@ -256,7 +296,7 @@ def _report(args: argparse.Namespace) -> None:
         batch=args.batch,
         image_size=args.image_size,
         balance=_balance(args),
-        device=args.device,
+        device=_paced(args.device, args.host_pace),
         schedule=args.schedule,
         mem_cap=None if args.mem_cap_gib is None else args.mem_cap_gib * 2**30,
         sequence_parallel=args.sequence_parallel,
@@ -289,6 +329,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             _plan(args)
         elif args.command == "links":
             _links(args)
+        elif args.command == "pace":
+            _pace(args)
     except AutopipeError as exc:
         print(f"autopipe: error: {exc}", file=sys.stderr)
         return _EXIT_USER_ERROR

@@ -192,3 +192,35 @@ def test_report_gives_the_plan_parallelize_runs(tmp_path) -> None:
     assert reported.pop("model") == "tests.models:timm_vit" and ran[0].pop("model") == "VisionTransformer"
     assert reported["tp"] == 2 and len(reported["stages"]) == 2 and reported["refinement"] == []
     assert reported == ran[0]
+
+
+def test_report_and_plan_price_eager_stages_at_a_host_pace_read_elsewhere(tmp_path, capsys) -> None:
+    from autopipe.partition.device import PROFILES
+
+    fitted = PROFILES["h200"].calibration.host_probe * 1e6
+    plans = {}
+    for pace in (None, fitted, 3 * fitted):
+        out = tmp_path / f"plan-{pace}.json"
+        extra = [] if pace is None else ["--host-pace", str(pace)]
+        assert main(["report", TINY, "--pp", "2", "--batch", "8", "--device", "h200", "--mode", "eager",
+                     "--json", str(out), *extra]) == 0
+        plans[pace] = json.loads(out.read_text())
+    assert plans[3 * fitted]["cost_source"]["host_probe_us"] == pytest.approx(3 * fitted)
+    time = {k: sum(s["compute_time"] for s in p["stages"]) for k, p in plans.items()}
+    assert time[None] == pytest.approx(time[fitted]) and time[3 * fitted] > 1.5 * time[None]  # a host-bound model
+    capsys.readouterr()
+    assert main(["report", TINY, "--pp", "2", "--batch", "8", "--device", "h200", "--host-pace", "-3"]) == 2
+    assert "--host-pace -3.0: give the microseconds `autopipe pace` printed" in capsys.readouterr().err
+    assert main(["plan", TINY, "--gpus", "2", "--batch", "8", "--device", "h100", "--host-pace", "200"]) == 2
+    assert "the h100 device table records no host pace to scale from" in capsys.readouterr().err
+
+
+def test_pace_reads_the_host_against_a_gpu_and_refuses_without_one(capsys) -> None:
+    code = main(["pace"])
+    captured = capsys.readouterr()
+    if torch.cuda.is_available():
+        assert code == 0 and "host pace" in captured.out and "--host-pace" in captured.out
+    else:
+        assert code == 2 and "this machine has none" in captured.err
+    assert main(["pace", "--device", "cpu"]) == 2
+    assert "the host's pace is read against a GPU's launches" in capsys.readouterr().err
