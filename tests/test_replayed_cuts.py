@@ -11,9 +11,9 @@ import torch
 from autopipe.partition import balance as balancer
 from autopipe.partition.cost import graph_costs
 from autopipe.partition.device import PROFILES
-from autopipe.partition.launch_queue import queue_by_node, queue_steps, stage_replays
+from autopipe.partition.launch_queue import pass_replays, queue_by_node, queue_steps, stage_replays
 from autopipe.partition.partitioner import partition, partition_at
-from autopipe.partition.replayed_cuts import pass_replays, replayed_cut
+from autopipe.partition.replayed_cuts import replayed_cut
 from autopipe.tracer import trace
 from autopipe.search import Layout, LinkModel, Pricing
 from autopipe.search.costs import GraphCosts

@@ -19,7 +19,16 @@ and the head, host-bound) summed to 4.17 ms; the stage replayed alone from idle,
 backlog of b at a stage's first node, the whole-graph sum falls short of the stage's replay by
 min(b, replay - device time): not additive over the nodes. So the partitioner prices each stage
 of a cut by its own replay (``stage_replays``) and cuts on those prices
-(partitioner.[Note: cuts on stage replays]).
+([Note: cuts on stage replays] in replayed_cuts.py).
+
+[Note: a replay's closed form]
+A pass of launches (host seconds h_k, device seconds d_k) from an idle host and device ends at
+max(H, D): the host's clock H = sum h, and the device's D = max over k of (H_k + sum_{j >= k} d_j),
+H_k the host's clock once it has launched k (the device last waited for the host at some launch
+k and ran from there without a gap). For the launches [p, q) of one pass, with exclusive prefix
+sums Hx, Dx and G_k = Hx[k+1] - Dx[k]:
+    replay(p, q) = max(Hx[q] - Hx[p], max_{p <= k < q} G_k - Hx[p] + Dx[q]),
+a range maximum of one array, which a sparse table answers for every (p, q) at once.
 """
 from __future__ import annotations
 
@@ -27,9 +36,10 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
+from autopipe.partition.balance_problem import Windows
 from autopipe.partition.cost import NodeCost
 
-__all__ = ["Launch", "queue_steps", "queue_by_node", "analytic_launches", "stage_replays"]
+__all__ = ["Launch", "queue_steps", "queue_by_node", "analytic_launches", "pass_replays", "stage_replays"]
 
 Launch = tuple[int, float, float]  # (node, host seconds, device seconds)
 
@@ -92,12 +102,29 @@ def stage_replays(launches: Sequence[Sequence[Launch]], starts: Sequence[int]) -
     """Each stage's seconds, forward and backward, as it runs: its own launches (of ``launches``,
     the passes ``analytic_launches`` gives) replayed from an idle host and device. Stage s holds
     the nodes from ``starts[s]`` to the next start ([Note: a stage starts idle])."""
-    bounds = np.asarray(starts)
-    total = [0.0] * len(starts)
-    for passed in launches:
-        steps: list[list[tuple[float, float]]] = [[] for _ in starts]
-        for node, host, device in passed:
-            steps[int(np.searchsorted(bounds, node, side="right")) - 1].append((host, device))
-        for s, stage_steps in enumerate(steps):
-            total[s] += sum(queue_steps(stage_steps))
-    return total
+    heads = np.asarray(starts, dtype=np.int64)
+    ends = np.append(heads[1:], np.iinfo(np.int64).max)  # the last stage holds every node from its start
+    return [float(t) for t in sum(pass_replays(p, heads, ends) for p in launches)]
+
+
+def pass_replays(launches: Sequence[Launch], heads: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """The replay from idle of the launches of nodes [heads, ends) (arrays of one shape) in one
+    pass, in launch order: nodes ascending (a forward) or descending (a backward)
+    ([Note: a replay's closed form])."""
+    nodes = np.fromiter((n for n, _, _ in launches), dtype=np.int64, count=len(launches))
+    backward = len(nodes) > 1 and nodes[0] > nodes[-1]
+    host = np.fromiter((h for _, h, _ in launches), dtype=float, count=len(launches))
+    device = np.fromiter((d for _, _, d in launches), dtype=float, count=len(launches))
+    hx = np.concatenate(([0.0], np.cumsum(host)))
+    dx = np.concatenate(([0.0], np.cumsum(device)))
+    if backward:  # the launches of nodes >= b come first
+        first, stop = (np.searchsorted(-nodes, -b, side="right") for b in (ends, heads))
+    else:
+        first, stop = (np.searchsorted(nodes, b, side="left") for b in (heads, ends))
+    shape = first.shape
+    first, stop = first.ravel(), stop.ravel()
+    if len(launches) == 0:
+        return np.zeros(shape)
+    peak = Windows(first, stop - 1, len(launches)).reduce(hx[1:] - dx[:-1], np.maximum, -np.inf)
+    replay = np.maximum(hx[stop] - hx[first], peak - hx[first] + dx[stop])
+    return np.where(stop > first, replay, 0.0).reshape(shape)

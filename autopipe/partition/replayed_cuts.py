@@ -5,23 +5,14 @@ Where eager stages replay their launches through the launch queue (a table fitte
 ``Calibration.launch_queue``), a stage costs its own replay from an idle host and device, not the
 sum of its nodes' prices from one replay of the whole graph ([Note: a stage starts idle] in
 launch_queue.py). The balancers add node prices; a replay does not add up over nodes. But it has
-a closed form, [Note: a replay's closed form], so every stage's replay costs O(1) after O(L log L)
-over the L launches, and the min-max dynamic program of ``balance.solve_overlapped`` (its
-``Band`` of stages, by start and end) runs on the replays as they are: the cut is the exact least
-largest replayed stage. The balancers' cut on node prices bounds it: a stage replayed from idle
+a closed form ([Note: a replay's closed form] in launch_queue.py), so every stage's replay costs
+O(1) after O(L log L) over the L launches, and the min-max dynamic program of
+``balance.solve_overlapped`` (its ``Band`` of stages, by start and end) runs on the replays as
+they are: the cut is the exact least largest replayed stage. The balancers' cut on node prices bounds it: a stage replayed from idle
 costs at least its nodes' whole-graph prices, so a stage whose nodes sum past that cut's largest
 replay is in no better cut, and the band leaves it out. A cut given (start positions, split
 points, a parameter count) is kept, and only priced by the replays. The plan's stage times are
 the replays.
-
-[Note: a replay's closed form]
-A pass of launches (host seconds h_k, device seconds d_k) from an idle host and device ends at
-max(H, D): the host's clock H = sum h, and the device's D = max over k of (H_k + sum_{j >= k} d_j),
-H_k the host's clock once it has launched k (the device last waited for the host at some launch
-k and ran from there without a gap). For the launches [p, q) of one pass, with exclusive prefix
-sums Hx, Dx and G_k = Hx[k+1] - Dx[k]:
-    replay(p, q) = max(Hx[q] - Hx[p], max_{p <= k < q} G_k - Hx[p] + Dx[q]),
-a range maximum of one array, which a sparse table answers for every (p, q) at once.
 """
 from __future__ import annotations
 
@@ -30,33 +21,10 @@ from typing import Sequence
 import numpy as np
 
 from .balance import overlap_problem
-from .balance_problem import Band, Windows, stage_time
-from .launch_queue import Launch, stage_replays
+from .balance_problem import Band, stage_time
+from .launch_queue import Launch, pass_replays, stage_replays
 
-__all__ = ["pass_replays", "replayed_cut"]
-
-
-def pass_replays(launches: Sequence[Launch], heads: np.ndarray, ends: np.ndarray) -> np.ndarray:
-    """The replay from idle of the launches of nodes [heads, ends) (arrays of one shape) in one
-    pass, in launch order: nodes ascending (a forward) or descending (a backward)
-    ([Note: a replay's closed form])."""
-    nodes = np.fromiter((n for n, _, _ in launches), dtype=np.int64, count=len(launches))
-    backward = len(nodes) > 1 and nodes[0] > nodes[-1]
-    host = np.fromiter((h for _, h, _ in launches), dtype=float, count=len(launches))
-    device = np.fromiter((d for _, _, d in launches), dtype=float, count=len(launches))
-    hx = np.concatenate(([0.0], np.cumsum(host)))
-    dx = np.concatenate(([0.0], np.cumsum(device)))
-    if backward:  # the launches of nodes >= b come first
-        first, stop = (np.searchsorted(-nodes, -b, side="right") for b in (ends, heads))
-    else:
-        first, stop = (np.searchsorted(nodes, b, side="left") for b in (heads, ends))
-    shape = first.shape
-    first, stop = first.ravel(), stop.ravel()
-    if len(launches) == 0:
-        return np.zeros(shape)
-    peak = Windows(first, stop - 1, len(launches)).reduce(hx[1:] - dx[:-1], np.maximum, -np.inf)
-    replay = np.maximum(hx[stop] - hx[first], peak - hx[first] + dx[stop])
-    return np.where(stop > first, replay, 0.0).reshape(shape)
+__all__ = ["replayed_cut"]
 
 
 def _stage_seconds(launches: Sequence[Sequence[Launch]], extra: np.ndarray, heads: np.ndarray, ends: np.ndarray,

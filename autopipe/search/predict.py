@@ -70,7 +70,8 @@ import numpy as np
 from autopipe.partition import balance as balancer
 from autopipe.partition.device import DeviceProfile
 from autopipe.partition.transfers import boundary_copy_seconds
-from autopipe.partition.replayed_cuts import pass_replays, replayed_cut
+from autopipe.partition.launch_queue import pass_replays
+from autopipe.partition.replayed_cuts import replayed_cut
 from autopipe.runtime.host_links import ring_slots
 from autopipe.runtime.schedule import max_in_flight_bound, stage_slots
 
