@@ -112,8 +112,7 @@ class GraphCosts:
         ``recompute`` (activation checkpointing) the backward runs the forward again: as a
         profile timed with checkpointing measured it where there is one, else as the sum."""
         self._tables.setdefault(id(profile.calibration), profile.calibration)
-        key = (size, profile.name, profile.mode, id(profile.calibration), profile.matmul_flops, profile.mem_bandwidth,
-               recompute)
+        key = (*self._priced_by(size, profile), recompute)
         if key not in self._times:
             if not recompute:
                 fwd, bwd, self._passes[key[:-1]] = self._node_times(size, profile, self.measured_for(size))
@@ -133,11 +132,15 @@ class GraphCosts:
         runs the forward again first. None where nodes are priced otherwise: another mode, a
         measured profile, a table not fitted through the queue."""
         self.node_times(size, profile)
-        key = (size, profile.name, profile.mode, id(profile.calibration), profile.matmul_flops, profile.mem_bandwidth)
-        passes = self._passes[key]
+        passes = self._passes[self._priced_by(size, profile)]
         if passes is None or not recompute:
             return passes
         return None if self.recomputed else [passes[0], passes[0], passes[1]]
+
+    @staticmethod
+    def _priced_by(size: int, profile: DeviceProfile) -> tuple:
+        """What the prices at ``size`` under ``profile`` depend on: the caches' key."""
+        return size, profile.name, profile.mode, id(profile.calibration), profile.matmul_flops, profile.mem_bandwidth
 
     def _node_times(self, size: int, profile: DeviceProfile, measured: MeasuredCosts | None, *,
                     recompute: bool = False) -> tuple[np.ndarray, np.ndarray, list[list[Launch]] | None]:
