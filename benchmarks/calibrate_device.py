@@ -13,11 +13,11 @@ What is fitted is [Note: calibrated roofline] (autopipe/partition/calibration.py
 of each model gives one row per direction: its kernels' measured device time (the profiler's
 kernel records: [Note: node times from kernels] in autopipe/measure/kernels.py) and, per kernel
 class, the plain roofline seconds of the kernels the cost model says it launches, with their
-count. The factors and the launch time of each kind of kernel are the non-negative least-squares solution
-of
+count. The factors and the launch time of each kind of kernel (of each class, for GEMMs: [Note: a
+GEMM class's fixed time]) are the non-negative least-squares solution of
 
     device(node) ~= sum over classes of factor[class] * roofline[class]
-                    + sum over kernel kinds of launch[kind] * kernels[kind]
+                    + sum over launch keys of launch[key] * kernels[key]
 
 on relative error (each row divided by its measured time), with a light pull of every factor
 towards the median factor so that classes seen in few rows stay sensible. The host time per
@@ -145,7 +145,7 @@ def refeature(nodes: list[dict], profile: str) -> None:
     """Recompute every row's roofline terms with this checkout's cost model on ``profile`` (the
     models are traced again here on the meta device; the measured times are kept)."""
     from autopipe.models import default_input, load_model
-    from autopipe.partition.calibration import compute_features, kernel_features, kernel_kind
+    from autopipe.partition.calibration import compute_features, kernel_features, launch_key
     from autopipe.partition.cost import graph_costs
     from autopipe.partition.device import PROFILES
     from autopipe.tracer import trace
@@ -165,7 +165,7 @@ def refeature(nodes: list[dict], profile: str) -> None:
             for cls, seconds in kernels + compute_features(cost, base, backward=backward):
                 feats[cls] += seconds
             row[direction]["features"], row[direction]["kernels"] = dict(feats), len(kernels)
-            row[direction]["kinds"] = dict(Counter(kernel_kind(cls) for cls, _ in kernels))
+            row[direction]["kinds"] = dict(Counter(launch_key(cls) for cls, _ in kernels))
 
 
 def attach_boundaries(nodes: list[dict], segs: list[dict]) -> None:
@@ -194,7 +194,7 @@ def attach_boundaries(nodes: list[dict], segs: list[dict]) -> None:
 
 
 def _kinds(d: dict) -> dict[str, int]:
-    """The kernels a row's node launches, by kernel_kind (rows made before kinds were kept: all "*")."""
+    """The kernels a row's node launches, by launch_key (rows made before kinds were kept: all "*")."""
     return d.get("kinds") or ({"*": d["kernels"]} if d["kernels"] else {})
 
 

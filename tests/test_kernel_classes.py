@@ -1,13 +1,18 @@
 """Kernel classes the calibration keeps apart by shape: row norms over short rows ([Note: short
-rows] in partition/op_rules.py) and learned per-channel scales (op_rules.SCALE)."""
+rows] in partition/op_rules.py), learned per-channel scales (op_rules.SCALE), and the launch time
+of each GEMM class ([Note: a GEMM class's fixed time] in partition/calibration.py)."""
 from __future__ import annotations
 
+import os
+import sys
+
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autopipe.partition.calibration import Calibration, class_of, kernel_kind
+from autopipe.partition.calibration import Calibration, class_of, kernel_kind, launch_key
 from autopipe.partition.cost import graph_costs
 from autopipe.tracer import trace
 
@@ -100,3 +105,45 @@ def test_a_learned_per_channel_scale_is_a_family_of_its_own():
     assert gate[-1].startswith("elementwise:broadcast/"), gate
     (fixed,) = _classes(_FixedScale(), x)
     assert fixed.startswith("elementwise/")
+
+
+def test_a_gemm_keeps_its_launch_time_by_class_and_any_other_kernel_by_kind():
+    assert launch_key("gemm/128") == "gemm/128" and launch_key("gemm/1024") == "gemm/1024"
+    assert launch_key("conv-nhwc/64") == "conv-nhwc" and launch_key("norm:row:short/1MiB") == "norm:row:short"
+    newer = Calibration("gpu", {}, launch=(1e-6, 2e-6), host=(0.0, 0.0),
+                        launches={"gemm": (3e-6, 20e-6), "gemm/128": (4e-6, 70e-6), "conv-nhwc": (5e-6, 13e-6)})
+    assert newer.launch_time("gemm/128", True) == 70e-6 and newer.launch_time("gemm/128", False) == 4e-6
+    assert newer.launch_time("gemm/256", True) == 20e-6  # a class the fit did not key: its kind's
+    assert newer.launch_time("conv-nhwc/64", True) == 13e-6 and newer.launch_time("conv/64", True) == 2e-6
+    older = Calibration("gpu", {}, launch=(1e-6, 2e-6), host=(0.0, 0.0), launches={"gemm": (3e-6, 20e-6)})
+    assert older.launch_time("gemm/128", True) == older.launch_time("gemm/512", True) == 20e-6
+
+
+def test_the_fit_finds_each_gemm_class_its_own_fixed_time():
+    """Rows of two GEMM classes, each the same factor times its roofline plus a fixed time of its
+    own (70 us and 16 us): keyed by class, the fit finds both; one time per kind could not."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import calibrate_device
+
+    rng = np.random.default_rng(5)
+    nodes = []
+    for k in range(60):
+        cls, fixed = ("gemm/128", 70e-6) if k % 2 else ("gemm/512", 16e-6)
+        roofline = float(rng.uniform(20e-6, 500e-6))
+        row = {"model": "m", "microbatch": 32, "node": f"n{k}"}
+        for d in ("fwd", "bwd"):
+            row[d] = {"features": {cls: roofline}, "kernels": 1, "kinds": {launch_key(cls): 1},
+                      "device": 1.5 * roofline + fixed, "host": 0.0}
+        nodes.append(row)
+    segs = [{"model": "m", "microbatch": 32, "nodes": [k], "graphs": 2 * nodes[k]["fwd"]["device"],
+             "eager": 2 * nodes[k]["fwd"]["device"]} for k in range(60)]
+    model = calibrate_device.fit(nodes, segs)
+    assert model["launches"]["gemm/128"][1] == pytest.approx(70e-6, rel=0.05)
+    assert model["launches"]["gemm/512"][1] == pytest.approx(16e-6, rel=0.05)
+    assert model["factors"]["gemm/128"][1] == pytest.approx(1.5, rel=0.02)
+    measured = np.array([r["bwd"]["device"] for r in nodes])
+    by_class = calibrate_device._gpu(nodes, model)[:, 1]
+    for r in nodes:
+        r["fwd"]["kinds"] = r["bwd"]["kinds"] = {"gemm": 1}
+    by_kind = calibrate_device._gpu(nodes, calibrate_device.fit(nodes, segs))[:, 1]
+    assert np.max(np.abs(by_class / measured - 1)) < 0.02 < 0.1 < np.max(np.abs(by_kind / measured - 1))

@@ -24,8 +24,8 @@ backward pass:
   apart from other reductions.
 
 More numbers: the GPU time each launched kernel adds, by its kind (the part of a class name before
-the first "/"): a convolution's set-up, format conversions and tail, or an elementwise kernel's,
-and the gap before the next; what CUDA graph replays still pay (a squeeze-excite convolution of a
+the first "/"), or for a GEMM by its class ([Note: a GEMM class's fixed time]): a convolution's
+set-up, format conversions and tail, or an elementwise kernel's, and the gap before the next; what CUDA graph replays still pay (a squeeze-excite convolution of a
 few thousand FLOPs takes 10-15 us on an H100). Then the host time of eager mode (Python, dispatch,
 launch; forward and autograd backward) and the fixed time of a stage in each mode (its first
 launch, autograd's start). In eager mode the host runs ahead of the device where it can: a table
@@ -125,6 +125,17 @@ and the partitioner and the layout search add them to both stages beside each cu
 (partition/transfers.py, ``boundary_copy_seconds``). Eager stages hand their tensors over as
 they are: no rate.
 
+[Note: a GEMM class's fixed time]
+A GEMM's backward at a small micro-batch takes more than its share of the same GEMM at a large
+one, and by how much depends on its class: on an H200 (calibration rows of eleven models at 32
+and 128 images), the line through each linear layer's backward at the two sizes crosses zero
+work at 66-70 us for ``gemm/128`` (Swin-B's and ConvNeXt-B's first blocks), 34 us for
+``gemm/256``, 16-18 us for ``gemm/512`` and ``gemm/1024``; a convolution's is 11-15 us at every
+width. One launch time per kind (20.6 us for every GEMM backward) left the first blocks of
+Swin-B at 32 images priced at 0.69x what their backward ran, and the stage holding them the
+slowest of eight. So a GEMM's launch time is kept by its class (``launch_key``); every other
+kind keeps one. A table fitted with one per kind prices every GEMM class by it.
+
 The factors are fitted by ``benchmarks/calibrate_device.py`` from the measured forward and
 backward kernel times of every node of real models (non-negative least squares on relative
 error; see that script), and kept as data beside this module (``calibration/<device>.json``)
@@ -139,95 +150,19 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from autopipe.errors import ConfigError
-from autopipe.partition.cost import FREE_KINDS, MATMUL_KINDS, NodeCost
+from autopipe.partition.cost import FREE_KINDS, NodeCost
+from autopipe.partition.kernel_classes import (BYTE_BOUNDS, BYTE_LABELS, BYTE_LIMITS, COMPUTE, DIM_BOUNDS, FLOPS, NHWC,
+                                               SHORT_REDUCTION, SHORT_ROW, class_fallbacks, class_of, compute_class,
+                                               kernel_kind, launch_key, plain_class, split_by_bound)
 
-__all__ = ["Calibration", "class_of", "kernel_kind", "plain_class", "load_calibration", "CALIBRATION_DIR", "DIM_BOUNDS",
+__all__ = ["Calibration", "class_of", "kernel_kind", "launch_key", "plain_class", "load_calibration", "CALIBRATION_DIR",
+           "DIM_BOUNDS",
            "BYTE_BOUNDS", "BYTE_LABELS", "BYTE_LIMITS", "NHWC", "FLOPS", "COMPUTE", "SHORT_REDUCTION", "SHORT_ROW",
            "split_by_bound", "compute_class", "compute_features", "OFF_CLASS_RATIO", "OFF_CLASS_SECONDS"]
 
 SCHEMA_VERSION = 1
 CALIBRATION_DIR = os.path.join(os.path.dirname(__file__), "calibration")
-DIM_BOUNDS = (4, 16, 32, 64, 128, 256, 512, 1024)
-NHWC = "-nhwc"  # the layout mark of a channels-last kernel's class
-FLOPS = ":flops"  # the mark of a class's compute-bound factor ([Note: bound by what])
-COMPUTE = ":compute"  # the mark of a kernel kind's vector-arithmetic term ([Note: depthwise arithmetic])
-BYTE_BOUNDS = tuple(2**18 * 4**i for i in range(5))  # 256 KiB, 1 MiB, 4 MiB, 16 MiB, 64 MiB
 OFF_CLASS_RATIO, OFF_CLASS_SECONDS = 3.0, 100e-6  # [Note: kernels off their class]
-SHORT_REDUCTION = 2**14  # bytes a channel: a batch norm over fewer rows is short ([Note: short reductions])
-SHORT_ROW = 256  # elements a row: a row norm over shorter rows is short ([Note: short rows] in op_rules.py)
-# kinds split off another: a table fitted before the split prices them by it (op_rules: [Note: short rows], SCALE)
-PARENT_KINDS = {"norm:row:short": "norm:row", "elementwise:scale": "elementwise:broadcast"}
-
-BYTE_LABELS = tuple(f"{b >> 20}MiB" if b >= 2**20 else f"{b >> 10}KiB" for b in BYTE_BOUNDS) \
-    + (f">{BYTE_BOUNDS[-1] >> 20}MiB",)
-BYTE_LIMITS = BYTE_BOUNDS + (math.inf,)  # the most bytes of each bucket of BYTE_LABELS
-
-
-def _bucket(value: float, bounds: tuple[int, ...], label=str) -> str:
-    for b in bounds:
-        if value <= b:
-            return label(b)
-    return ">" + label(bounds[-1])
-
-
-def _bytes_label(b: int) -> str:
-    return BYTE_LABELS[BYTE_BOUNDS.index(b)]
-
-
-def class_of(cost: NodeCost, *, backward: bool = False) -> str:
-    """The calibration class of one launched kernel (a node, or a part of a composite one)."""
-    nbytes = cost.bwd_bytes if backward else cost.fwd_bytes
-    layout = NHWC if cost.channels_last else ""  # see [Note: kernel layout]
-    if cost.kind in MATMUL_KINDS:
-        if cost.family == "dwconv":  # memory-bound: by bytes, as the vector kernels
-            return f"dwconv{layout}/{_bucket(nbytes, BYTE_BOUNDS, _bytes_label)}"
-        if cost.family in ("gemm", "conv", "gconv") and cost.min_dim > 0:
-            return f"{cost.family}{layout}/{_bucket(cost.min_dim, DIM_BOUNDS)}"
-        return cost.kind  # attention, or a GEMM whose shape the rule could not tell
-    if cost.family == "batch" and cost.min_dim > 0:  # by channels: see op_rules.norm
-        short = ":short" if cost.channels_last and cost.out_bytes <= SHORT_REDUCTION * cost.min_dim else ""
-        return f"norm:batch{layout}{short}/{_bucket(cost.min_dim, DIM_BOUNDS)}ch"  # [Note: short reductions]
-    short = ":short" if cost.family == "row" and 0 < cost.min_dim <= SHORT_ROW else ""  # [Note: short rows]
-    kind = (f"{cost.kind}:{cost.family}" if cost.family else cost.kind) + short
-    return f"{kind}{layout}/{_bucket(nbytes, BYTE_BOUNDS, _bytes_label)}"
-
-
-def compute_class(cost: NodeCost, *, backward: bool = False) -> str | None:
-    """The class of a kernel's vector-arithmetic term, for the kernels that carry one: depthwise
-    convolutions ([Note: depthwise arithmetic]); None for any other."""
-    if cost.kind in MATMUL_KINDS and cost.family == "dwconv":
-        return kernel_kind(class_of(cost, backward=backward)) + COMPUTE
-    return None
-
-
-def split_by_bound(name: str) -> bool:
-    """Whether class ``name`` keeps a factor for its compute-bound kernels apart from its
-    memory-bound ones ([Note: bound by what]): convolutions over the thinnest inputs."""
-    return dense_class(name).startswith("conv") and name.endswith(f"/{DIM_BOUNDS[0]}")
-
-
-def plain_class(name: str) -> str:
-    """The NCHW class of the same kernel shape ("conv-nhwc/64" -> "conv/64")."""
-    return name.replace(NHWC, "", 1)
-
-
-def dense_class(name: str) -> str:
-    """The class of the ungrouped convolution of the same shape ("gconv-nhwc/32" -> "conv-nhwc/32")."""
-    return name[1:] if name.startswith("gconv") else name
-
-
-def _fallbacks(name: str) -> tuple[str, ...]:
-    """The classes whose fitted figures price class ``name``, first found first: its own, its
-    NCHW class ([Note: kernel layout]), and for a grouped convolution the dense ones
-    ([Note: grouped convolutions]), and for a kind split off another that other's (PARENT_KINDS)."""
-    dense, (kind, _, bucket) = dense_class(name), name.partition("/")
-    parent = (f"{PARENT_KINDS[kind]}/{bucket}",) if kind in PARENT_KINDS else ()
-    return (name, plain_class(name)) + ((dense, plain_class(dense)) if dense != name else ()) + parent
-
-
-def kernel_kind(name: str) -> str:
-    """The kind of a calibration class ("conv/64" -> "conv"), which its launch time is kept by."""
-    return name.split("/", 1)[0]
 
 
 @dataclass(frozen=True)
@@ -240,7 +175,7 @@ class Calibration:
     host: tuple[float, float]  # host seconds per launched node in eager mode (forward, backward)
     stage: dict[str, float] = field(default_factory=dict)  # execution mode -> a stage's fixed seconds
     fit: dict[str, Any] = field(default_factory=dict)  # how it was made and its error
-    launches: dict[str, tuple[float, float]] = field(default_factory=dict)  # kernel_kind -> (fwd, bwd) seconds
+    launches: dict[str, tuple[float, float]] = field(default_factory=dict)  # launch_key -> (fwd, bwd) seconds
     # execution mode -> device seconds per byte crossing a stage's boundaries ([Note: boundary copies])
     boundary: dict[str, float] = field(default_factory=dict)
     # execution mode -> device seconds between two kernels of a replayed stage ([Note: replay gaps])
@@ -297,8 +232,10 @@ class Calibration:
         return seconds + self.launch_time(name, backward)
 
     def launch_time(self, name: str, backward: bool) -> float:
-        """The GPU seconds a launched kernel of class ``name`` adds besides its roofline."""
-        pair = next((self.launches[k] for k in map(kernel_kind, _fallbacks(name)) if k in self.launches), self.launch)
+        """The GPU seconds a launched kernel of class ``name`` adds besides its roofline: its
+        ``launch_key``'s, else its kind's (a table fitted with one per kind), else ``launch``."""
+        keys = [k for f in class_fallbacks(name) for k in dict.fromkeys((launch_key(f), kernel_kind(f)))]
+        pair = next((self.launches[k] for k in keys if k in self.launches), self.launch)
         return pair[int(backward)]
 
     def launch_host(self, name: str, backward: bool) -> float:
@@ -306,18 +243,18 @@ class Calibration:
         ``host`` for each kernel its kind launches (``host_kernels``)."""
         d = int(backward)
         return self.node_host[d] + self.host[d] * next((self.host_kernels[k][d] for k in map(
-            kernel_kind, _fallbacks(name)) if k in self.host_kernels), 1.0)
+            kernel_kind, class_fallbacks(name)) if k in self.host_kernels), 1.0)
 
     def factor(self, name: str, backward: bool) -> float:
-        """The fitted multiplier of class ``name``, else of its fallbacks (``_fallbacks``), else 1
+        """The fitted multiplier of class ``name``, else of its fallbacks (``class_fallbacks``), else 1
         (a class the fit never saw)."""
-        pair = next((self.factors[k] for k in _fallbacks(name) if k in self.factors), None)
+        pair = next((self.factors[k] for k in class_fallbacks(name) if k in self.factors), None)
         return pair[int(backward)] if pair is not None else 1.0
 
     def flops_factor(self, name: str, backward: bool) -> float:
         """The multiplier of the compute side of class ``name``'s roofline: its own where the fit
         kept one ([Note: bound by what]), else the class's."""
-        pair = next((self.factors[k + FLOPS] for k in _fallbacks(name) if k + FLOPS in self.factors), None)
+        pair = next((self.factors[k + FLOPS] for k in class_fallbacks(name) if k + FLOPS in self.factors), None)
         return pair[int(backward)] if pair is not None else self.factor(name, backward)
 
     def gap_time(self, mode: str) -> float:
