@@ -25,8 +25,9 @@ backward pass:
 
 More numbers: the GPU time each launched kernel adds, by its kind (the part of a class name before
 the first "/"), or for a GEMM by its class ([Note: a GEMM class's fixed time]): a convolution's
-set-up, format conversions and tail, or an elementwise kernel's, and the gap before the next; what CUDA graph replays still pay (a squeeze-excite convolution of a
-few thousand FLOPs takes 10-15 us on an H100). Then the host time of eager mode (Python, dispatch,
+set-up, format conversions and tail, or an elementwise kernel's, and the gap before the next;
+what CUDA graph replays still pay (a squeeze-excite convolution of a few thousand FLOPs takes
+10-15 us on an H100). Then the host time of eager mode (Python, dispatch,
 launch; forward and autograd backward) and the fixed time of a stage in each mode (its first
 launch, autograd's start). In eager mode the host runs ahead of the device where it can: a table
 fitted so (``launch_queue``) replays a stage's kernels through the launch queue ([Note: eager
@@ -156,9 +157,8 @@ from autopipe.partition.kernel_classes import (BYTE_BOUNDS, BYTE_LABELS, BYTE_LI
                                                kernel_kind, launch_key, plain_class, split_by_bound)
 
 __all__ = ["Calibration", "class_of", "kernel_kind", "launch_key", "plain_class", "load_calibration", "CALIBRATION_DIR",
-           "DIM_BOUNDS",
-           "BYTE_BOUNDS", "BYTE_LABELS", "BYTE_LIMITS", "NHWC", "FLOPS", "COMPUTE", "SHORT_REDUCTION", "SHORT_ROW",
-           "split_by_bound", "compute_class", "compute_features", "OFF_CLASS_RATIO", "OFF_CLASS_SECONDS"]
+           "DIM_BOUNDS", "BYTE_BOUNDS", "BYTE_LABELS", "BYTE_LIMITS", "NHWC", "FLOPS", "COMPUTE", "SHORT_REDUCTION",
+           "SHORT_ROW", "split_by_bound", "compute_class", "compute_features", "OFF_CLASS_RATIO", "OFF_CLASS_SECONDS"]
 
 SCHEMA_VERSION = 1
 CALIBRATION_DIR = os.path.join(os.path.dirname(__file__), "calibration")
