@@ -8,11 +8,11 @@ launch_queue.py). The balancers add node prices; a replay does not add up over n
 a closed form ([Note: a replay's closed form] in launch_queue.py), so every stage's replay costs
 O(1) after O(L log L) over the L launches, and the min-max dynamic program of
 ``balance.solve_overlapped`` (its ``Band`` of stages, by start and end) runs on the replays as
-they are: the cut is the exact least largest replayed stage. The balancers' cut on node prices bounds it: a stage replayed from idle
-costs at least its nodes' whole-graph prices, so a stage whose nodes sum past that cut's largest
-replay is in no better cut, and the band leaves it out. A cut given (start positions, split
-points, a parameter count) is kept, and only priced by the replays. The plan's stage times are
-the replays.
+they are: the cut is the exact least largest replayed stage. The balancers' cut on node prices
+bounds it: a stage replayed from idle costs at least its nodes' whole-graph prices, so a stage
+whose nodes sum past that cut's largest replay is in no better cut, and the band leaves it out.
+A cut given (start positions, split points, a parameter count) is kept, and only priced by the
+replays. The plan's stage times are the replays.
 """
 from __future__ import annotations
 
