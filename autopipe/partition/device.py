@@ -21,10 +21,12 @@ from autopipe.partition.calibration import Calibration, class_of, load_calibrati
 from autopipe.partition.cost import FREE_KINDS, MATMUL_KINDS, NodeCost
 from autopipe.partition.launch_queue import Launch, analytic_launches, queue_by_node
 
-__all__ = ["DeviceProfile", "PROFILES", "EXECUTION_MODES", "execution_mode", "get_profile", "measure_profile",
-           "measure_node_times"]
+__all__ = ["DeviceProfile", "PROFILES", "EXECUTION_MODES", "SLOW_PACE", "execution_mode", "get_profile",
+           "measure_profile", "measure_node_times"]
 
 SCHEMA_VERSION = 2
+# The host's slow pace over its fast one, which a planning probe reads: [Note: a cut at another pace].
+SLOW_PACE = 1.35
 # How stages run: eagerly, as CUDA graph replays, compiled by torch.compile (with or without
 # graphs). A calibrated profile prices launches by it; see [Note: calibrated roofline].
 EXECUTION_MODES = ("eager", "graphs", "compiled", "compiled+graphs")
@@ -118,7 +120,23 @@ class DeviceProfile:
     def at_host_pace(self, probe: float) -> DeviceProfile:
         """This profile for stages launched by a host whose pace probe reads ``probe`` seconds
         ([Note: host pace] in measure/host_pace.py): its table's host terms scaled by ``probe``
-        over the probe of the host they were fitted on. Unchanged where either is unknown (0)."""
+        over the probe of the host they were fitted on. Unchanged where either is unknown (0).
+
+        [Note: a cut at another pace]
+        A stage bound by its kernels costs the same at any pace of the host; one bound by its
+        launches costs in proportion to it. So where a model has both (ResNet-50 at 128 images:
+        the stem over 112 x 112 maps bound by its kernels, layer4 over 7 x 7 maps by its
+        launches), a cut balanced at one pace is off at another. A host keeps two paces, the
+        slow one about 1.35x the fast one that a planning probe reads ([Note: planning probe] in
+        measure/host_pace.py), and slow spells can outlast a whole timing. On an H200, ResNet-50
+        at 128 images in 4 eager stages, cut at a probe of 230 us, measured 1.230 max/mean in a
+        timing whose sweeps all read the slow pace (323 us), where the plan of a probe a few
+        minutes before measured 1.053; priced at 320 us, the cut reads 1.212. No cut holds at
+        both paces there: the least worst is about 1.08 in 4 stages and 1.16 in 8
+        (benchmarks/eager_pace_sensitivity.py). So a plan of eager stages priced at a probed pace
+        also carries the max/mean of its cut at ``SLOW_PACE`` times that probe
+        (``cost_source["slow_pace"]``), and its report says so where the two differ: stages run
+        as CUDA graphs, or timed as they run (``costs="measured"``), do not depend on it."""
         cal = self.calibration
         if cal is None or not cal.host_probe > 0 or not probe > 0:
             return self

@@ -19,7 +19,7 @@ from ..tracer import TracedModel
 from . import balance as balancer
 from .cost import NodeCost, graph_costs, training_state_bytes
 from .cuts import allowed_cuts, cut_dag, layer_groups, split_positions
-from .device import DeviceProfile, get_profile
+from .device import SLOW_PACE, DeviceProfile, get_profile
 from .measured import MeasuredCosts, fingerprint
 from .plan import CutTensor, PartitionPlan, StagePlan
 from .launch_queue import stage_replays
@@ -170,6 +170,7 @@ def _partition(
     measured: MeasuredCosts | None = None,
     starts: list[int] | None = None,
     stage_scale: tuple[float, ...] | None = None,
+    price_slow_pace: bool = True,
 ) -> PartitionPlan:
     n_stages = pp * chunks
     profile = get_profile(device)
@@ -236,8 +237,21 @@ def _partition(
     for stage, seconds in zip(plan.stages, replays):
         stage.analytic_time = float(seconds)
     plan.cost_source = _cost_source(profile, measured)
+    if price_slow_pace and measured is None and node_seconds is None and "host_probe_us" in plan.cost_source:
+        plan.cost_source["slow_pace"] = _at_slow_pace(traced, starts, profile, pp=pp, chunks=chunks, tp=tp,
+                                                      microbatches=microbatches, schedule=schedule, mem_cap=mem_cap,
+                                                      model_name=model_name, activation_dtype=activation_dtype)
     plan.floor = balancer.least_imbalance(compute, n_stages, stage_overhead=overhead, allowed_cuts=allowed)
     return plan
+
+
+def _at_slow_pace(traced: TracedModel, starts: list[int], profile: DeviceProfile, **args: Any) -> dict[str, float]:
+    """The probe of the host's slow pace and the max/mean this cut of eager stages would have at
+    it ([Note: a cut at another pace])."""
+    probe = (profile.calibration.host_probe if profile.calibration is not None else 0.0) * SLOW_PACE
+    plan = _partition(traced, device=profile.at_host_pace(probe), balance="cost", starts=list(starts),
+                      price_slow_pace=False, **args)
+    return {"host_probe_us": probe * 1e6, "imbalance": float(plan.imbalance)}
 
 
 def _check_cut_count(allowed: Sequence[bool], pp: int, chunks: int) -> None:

@@ -21,6 +21,7 @@ __all__ = ["format_table", "plot", "check_figure_path", "time_parts", "figure_ti
 _CUT_MAX_TENSORS = 2
 _CUT_MAX_CHARS = 64
 _MODULE_MAX_CHARS = 48
+SLOW_PACE_NOTED = 0.03  # max/mean beyond the plan's at which its cut at the host's slow pace is reported
 
 _OPTIMIZER_NOTE = "params/grads/optimizer state"
 
@@ -150,6 +151,18 @@ def _source(plan: PartitionPlan) -> str:
     return "costs modelled"
 
 
+def _slow_pace_lines(plan: PartitionPlan) -> list[str]:
+    """The cut's max/mean at the host's slow pace, where it is off the plan's by more than
+    SLOW_PACE_NOTED ([Note: a cut at another pace] in device.py)."""
+    src = plan.cost_source or {}
+    slow = src.get("slow_pace") or {}
+    if not slow or not slow["imbalance"] > plan.imbalance + SLOW_PACE_NOTED:
+        return []
+    return [f"host pace: these eager stages were priced at a probe of {src['host_probe_us']:.0f} us; at the host's "
+            f"slow pace ({slow['host_probe_us']:.0f} us) this cut reads {slow['imbalance']:.3f} max/mean. Stages "
+            "as CUDA graphs (cuda_graphs=True) or timed as they run (costs=\"measured\") do not depend on the pace."]
+
+
 def _pace(src: dict) -> str:
     """How often the timings waited for the host's pace, where any did ([Note: host pace])."""
     pace = src.get("host_pace") or {}
@@ -177,7 +190,7 @@ def format_table(plan: PartitionPlan) -> str:
         "included; modelled: the analytic model's compute; measured: the stage timed alone on the "
         f"device; memory: {_OPTIMIZER_NOTE} plus activations of the micro-batches in flight"
     )
-    return "\n".join([_header(plan), *body, *_pieces_lines(plan), notes])
+    return "\n".join([_header(plan), *body, *_pieces_lines(plan), *_slow_pace_lines(plan), notes])
 
 
 def _pieces_lines(plan: PartitionPlan) -> list[str]:
