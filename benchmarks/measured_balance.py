@@ -116,7 +116,9 @@ def run_case(name: str, traced: Any, mb: int, mode: str, layouts: tuple, reps: i
                          "measured_imbalance": _imbalance(times), "timings": each,
                          # for fit_eager_host.py: where the stages start, in the graph cut into the plan's pieces
                          "stage_starts": [st.nodes[0] for st in plan.stages], "mlp_pieces": plan.mlp_pieces,
-                         "host_probe_us": probe * 1e6}
+                         "host_probe_us": probe * 1e6,
+                         # the same cut at the host's slow pace ([Note: a cut at another pace])
+                         "slow_pace": plan.cost_source.get("slow_pace")}
         if measured is not None:
             begin = time.perf_counter()
             plan = measured_plan(traced, setup, dict(args, device=calibrated), measured=measured,
