@@ -162,6 +162,8 @@ def _print_row(row: dict[str, Any]) -> None:
         if kind in row:
             r = row[kind]
             cells.append(f"{kind} {r['modelled_imbalance']:.3f}->{r['measured_imbalance']:.3f}")
+            if r.get("slow_pace"):  # the same cut priced at the host's slow pace
+                cells.append(f"(at {r['slow_pace']['host_probe_us']:.0f} us {r['slow_pace']['imbalance']:.3f})")
     if "measured" in row:
         cells.append(f"calib err {row['measured']['calibration_error']:.3f}  floor {row['floor']:.3f}")
         cells.append(f"loop {row['measured']['loop_imbalance']:.3f}")
@@ -169,7 +171,8 @@ def _print_row(row: dict[str, Any]) -> None:
             cells.append("pieces " + ",".join(row["measured"]["mlp_pieces"]))
     pace = row.get("host_pace", {})
     if pace.get("timings"):
-        cells.append(f"waited {pace['waited']}/{pace['timings']} short {pace['short']}")
+        cells.append(f"waited {pace['waited']}/{pace['timings']} short {pace['short']} "
+                     f"pace {pace['reference_us']:.0f} us")
     print("  ".join(cells), flush=True)
 
 
