@@ -42,13 +42,10 @@ def _args(pp: int, chunks: int) -> dict[str, Any]:
 
 def imbalances(traced: Any, starts: Sequence[int], pp: int, chunks: int, gpu: DeviceProfile,
                paces: Sequence[float]) -> list[float]:
-    """Max/mean of the stages starting at ``starts``, priced at each pace."""
-    out = []
-    for pace in paces:
-        plan = partition_at(traced, starts, device=gpu.at_host_pace(pace), **_args(pp, chunks))
-        t = [s.compute_time for s in plan.stages]
-        out.append(max(t) / (sum(t) / len(t)))
-    return out
+    """Max/mean of the stages starting at ``starts`` (``plan.imbalance``, as the plan's report
+    gives it), priced at each pace."""
+    return [float(partition_at(traced, starts, device=gpu.at_host_pace(pace), **_args(pp, chunks)).imbalance)
+            for pace in paces]
 
 
 def least_worst(traced: Any, starts: list[int], pp: int, chunks: int, gpu: DeviceProfile,

@@ -131,8 +131,8 @@ class DeviceProfile:
         measure/host_pace.py), and slow spells can outlast a whole timing. On an H200, ResNet-50
         at 128 images in 4 eager stages, cut at a probe of 230 us, measured 1.230 max/mean in a
         timing whose sweeps all read the slow pace (323 us), where the plan of a probe a few
-        minutes before measured 1.053; priced at 320 us, the cut reads 1.212. No cut holds at
-        both paces there: the least worst is about 1.08 in 4 stages and 1.16 in 8
+        minutes before measured 1.053; priced at 320 us, the cut reads 1.210. No cut holds at
+        both paces there: the least worst is about 1.08 in 4 stages and 1.15 in 8
         (benchmarks/eager_pace_sensitivity.py). So a plan of eager stages priced at a probed pace
         also carries the max/mean of its cut at ``SLOW_PACE`` times that probe
         (``cost_source["slow_pace"]``), and its report says so where the two differ: stages run
