@@ -292,14 +292,15 @@ def test_boundary_moves_balance_by_timing_two_stages_at_a_time():
     assert again is out and len(timed) == len(moves)
 
 
-def test_chains_run_to_every_stage_under_the_mean_the_fastest_first():
+def test_chains_run_to_every_faster_stage_the_fastest_first():
     """ViT-B/16's 8 stages as an H200 timed them eagerly (ms): the chain to the fastest stage
-    (1) crosses five stages, and shorter chains to the other fast ones (0, 5) are tried after it."""
+    (1) crosses five stages, and shorter chains to the other fast ones (0, 5) are tried after it;
+    those to stages over the mean (2, 6) last."""
     times = [5.88, 5.82, 6.14, 6.04, 6.01, 5.89, 6.24, 6.35]
     starts = [0, 10, 20, 30, 40, 50, 60, 70]
     prefix = np.arange(81, dtype=float)  # 80 nodes of a second each, a cut allowed after any
     chains = _chains(starts, times, 7, prefix, [True] * 80)
-    assert [far for far, _ in chains] == [1, 0, 5, 4, 3]  # under the mean (6.046), the fastest first
+    assert [far for far, _ in chains] == [1, 0, 5, 4, 3, 2, 6]  # the mean is 6.046
     for far, new in chains:  # each boundary from the far stage's end to the slowest's start, one node on
         assert new == [s + (1 if far < b <= 7 else 0) for b, s in enumerate(starts)]
     # a stage of one node gives it and takes the next
@@ -307,9 +308,49 @@ def test_chains_run_to_every_stage_under_the_mean_the_fastest_first():
     assert dict(_chains(narrow, times, 7, prefix, [True] * 80))[1] == [0, 10, 21, 22, 31, 41, 51, 71]
     # towards a slowest stage before them, every boundary moves back
     assert dict(_chains(starts, times[::-1], 0, prefix, [True] * 80))[6] == [0, 9, 19, 29, 39, 49, 59, 70]
-    # no chain where a boundary has no allowed cut before the next one (none from 12 to 35 here)
+    # no chain where a boundary has no allowed cut before the next one (none from 12 to 35 here:
+    # stage 2's chain moves its end past them, to 36)
     walled = [True] * 11 + [False] * 24 + [True] * 45
-    assert sorted(dict(_chains(starts, times, 7, prefix, walled))) == [3, 4, 5]
+    assert sorted(dict(_chains(starts, times, 7, prefix, walled))) == [2, 3, 4, 5, 6]
+    # none to a stage as slow as the slowest
+    assert 6 not in dict(_chains(starts, times[:6] + [6.35, 6.35], 7, prefix, [True] * 80))
+
+
+def test_a_chain_to_a_stage_over_the_mean_moves_work_where_every_step_towards_the_mean_costs():
+    """[Note: chains to stages over the mean], on a chain of 40 layers: stages 0-2 over the mean,
+    stage 3 under it; a boundary at node 29 costs both its stages 1.5 s (two tensors cross
+    there). The only step towards stage 3 lands there, and the slowest stage's first node is
+    more than the gap to stage 1; a chain to stage 0 moves node 20 to stage 1 and node 10 to
+    stage 0, and balances within 1.05."""
+    seconds = [1.0] * 40
+    seconds[5], seconds[10], seconds[15], seconds[20], seconds[25], seconds[35] = 1.2, 0.3, 1.9, 0.5, 2.1, 0.01
+    model = nn.Sequential(*[nn.ReLU() for _ in range(39)])
+    traced = trace(model, (torch.randn(2, 4),))
+    order = [n.name for n in traced.gm.graph.nodes if n.op != "output"]
+    assert len(order) == 40
+    position = {n: k for k, n in enumerate(order)}
+
+    def true(plan, i):
+        start = position[plan.stages[i].nodes[0]]
+        end = position[plan.stages[i + 1].nodes[0]] if i + 1 < len(plan.stages) else 40
+        return sum(seconds[start:end]) + (1.5 if 29 in (start, end) else 0.0)
+
+    def cut_at(starts):
+        plan = partition_at(traced, starts, device="h100")
+        for i, stage in enumerate(plan.stages):
+            stage.measured_time = true(plan, i)
+        return plan
+
+    plan = cut_at([0, 10, 20, 30])
+    assert [round(s.measured_time, 2) for s in plan.stages] == [10.2, 10.2, 10.6, 9.01]
+    out = move_boundaries(plan, order=order, allowed=[True] * 40, seconds=seconds, target=1.0, moves=16,
+                          measure=lambda p, stages: [true(p, i) for i in stages], cut_at=cut_at)
+    moves = [r for r in out.refinement if "move" in r]
+    assert not moves[0]["kept"] and moves[0]["stage_starts"][3] == order[29]  # the step towards stage 3
+    kept = [r for r in moves if r["kept"]]
+    assert kept and kept[0]["stages"] == [0, 1, 2]  # the chain to stage 0
+    assert kept[0]["stage_starts"][1:3] == [order[11], order[21]]
+    assert out.measured_imbalance <= 1.05 < plan.measured_imbalance
 
 
 def test_boundary_moves_judge_both_plans_in_one_timing_when_the_pace_changes():
