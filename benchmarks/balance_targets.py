@@ -1,6 +1,7 @@
 """Where the balance targets stand: every case's latest timings, from the committed results.
 
     python benchmarks/balance_targets.py [--results benchmarks/results] [--device h200] [--json out.json]
+        [--commands]
 
 ``measured_balance.py`` writes one JSON per run; runs time a few cases each, on different days
 and code. This reads them all and keeps, for each case (device, plans, mode, model, images per
@@ -16,7 +17,8 @@ Targets (issue: balance that holds on the GPU), for the seven models at 32 and 1
 within 10% of the stages' times, analytic plans <= 1.15. A case holds when every timing of its
 last commit does. Prints a table per device, plans and mode (each cell: the last commit's max/mean,
 their range where there were several, ``*`` where it misses, ``-`` where never timed) and the
-cases that miss or were never timed; exits 1 if any does.
+cases that miss or were never timed; exits 1 if any does. ``--commands`` also prints the
+``measured_balance.py`` runs that time those cases again, one per model, images and mode.
 """
 from __future__ import annotations
 
@@ -173,11 +175,23 @@ def table(chosen: list[Case]) -> list[str]:
     return lines
 
 
+def commands(missing: list[Case]) -> list[str]:
+    """The ``measured_balance.py`` runs that time ``missing`` again: one per model, images, mode
+    and plans, with the layouts that miss."""
+    runs: dict[tuple, list[str]] = {}
+    for c in missing:
+        runs.setdefault((c.model, c.microbatch, c.mode, c.plans), []).append(c.layout)
+    return [f"python benchmarks/measured_balance.py --models {m} --microbatch {mb} --modes {mode} --plans {p} "
+            f"--layouts {','.join(layouts)} --channels-last --out RESULTS.json"
+            for (m, mb, mode, p), layouts in runs.items()]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--results", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     parser.add_argument("--device", help="h100 or h200 (default: every device with results)")
     parser.add_argument("--json", metavar="PATH", help="also write every case as JSON")
+    parser.add_argument("--commands", action="store_true", help="also print the runs that time the misses again")
     args = parser.parse_args(argv)
     timings = collect(glob.glob(os.path.join(args.results, "*.json")), committed_times(args.results))
     devices = sorted({k[0] for k in timings}) if args.device is None else [args.device.lower()]
@@ -194,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
             + f" {t.source} ({t.date})" for t in c.timings)
         print(f"MISS {c.device} {c.plans} {c.mode} {MODELS[c.model]} {c.microbatch} images {c.layout}: "
               f"{what}")
+    if args.commands and missing:
+        print("\nto time them again, on the GPU:")
+        print("\n".join(commands(missing)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump([dataclasses.asdict(c) | {"holds": c.holds} for c in chosen], f, indent=1)

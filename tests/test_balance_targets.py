@@ -89,6 +89,11 @@ def test_an_untimed_case_is_a_miss_and_the_script_says_which(tmp_path, capsys):
     assert "MISS h200 measured eager ResNet-50 32 images 4x1: never timed" in printed
     kept = json.loads(out.read_text())
     assert [c["holds"] for c in kept].count(True) == 1
+    assert bt.main(["--results", str(tmp_path), "--device", "h200", "--commands"]) == 1
+    runs = [line for line in capsys.readouterr().out.splitlines() if line.startswith("python ")]
+    assert len(runs) == len(bt.MODELS) * 2 * 2 * 2  # per model, images, mode and plans
+    assert ("python benchmarks/measured_balance.py --models resnet50 --microbatch 32 --modes graphs --plans measured "
+            "--layouts 4x1,4x2 --channels-last --out RESULTS.json") in runs  # its 8x1 holds
 
 
 @pytest.mark.parametrize("name, key", [("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"),
