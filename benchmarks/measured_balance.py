@@ -73,7 +73,8 @@ def _imbalance(times: list[float]) -> float:
 
 def run_case(name: str, traced: Any, mb: int, mode: str, layouts: tuple, reps: int, plans: set[str],
              device: str = "cuda", profiles: dict | None = None, retimes: int = 3,
-             on_row: Any = None, keep: str | None = None, split_mlps: bool | str = True) -> list[dict[str, Any]]:
+             on_row: Any = None, keep: str | None = None, split_mlps: bool | str = True,
+             pace_hedge: float = 0.0) -> list[dict[str, Any]]:
     setup = RunSetup(torch.device(device), mode, torch.bfloat16, reps=reps)
     rows: list[dict[str, Any]] = []
     cache = ProfileCache(tempfile.mkdtemp(prefix="autopipe-bench-"))
@@ -109,7 +110,8 @@ def run_case(name: str, traced: Any, mb: int, mode: str, layouts: tuple, reps: i
         for kind in ("uncalibrated", "analytic"):
             if kind not in plans:
                 continue
-            plan = plan_stages(traced, device=profiles[kind], **args)
+            plan = plan_stages(traced, device=profiles[kind], **args, **({"pace_hedge": pace_hedge} if
+                                                                          kind == "analytic" and pace_hedge else {}))
             times, each = _timed(traced, plan, setup, retimes)
             row[kind] = {"modelled_ms": [s.compute_time * 1e3 for s in plan.stages],
                          "measured_ms": [t * 1e3 for t in times], "modelled_imbalance": plan.imbalance,
@@ -118,7 +120,8 @@ def run_case(name: str, traced: Any, mb: int, mode: str, layouts: tuple, reps: i
                          "stage_starts": [st.nodes[0] for st in plan.stages], "mlp_pieces": plan.mlp_pieces,
                          "host_probe_us": probe * 1e6,
                          # the same cut at the host's slow pace ([Note: a cut at another pace])
-                         "slow_pace": plan.cost_source.get("slow_pace")}
+                         "slow_pace": plan.cost_source.get("slow_pace"),
+                         "pace_hedge": plan.cost_source.get("pace_hedge", 0.0)}
         if measured is not None:
             begin = time.perf_counter()
             plan = measured_plan(traced, setup, dict(args, device=calibrated), measured=measured,
@@ -221,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="also keep each profile there, as MODEL-MB-MODE.json (autopipe report --profile reads it)")
     parser.add_argument("--split-convolutions", action="store_true",
                         help="let boundaries fall inside convolutions too (split_mlps=\"convolutions\")")
+    parser.add_argument("--pace-hedge", type=float, default=0.0, metavar="H",
+                        help="analytic eager plans: the max/mean the cut may give up at the probed host pace for the "
+                             "least worst of it and the slow pace (partition(pace_hedge=H); 0: off)")
     parser.add_argument("--calibration-rows", metavar="PATH",
                         help="also write the profiles' node times as rows for calibrate_device.py fit")
     args = parser.parse_args(argv)
@@ -256,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
                     rows += run_case(name, traced, mb, mode, layouts, args.reps, set(args.plans.split(",")),
                                      args.device, profiles, args.retimes, keep=args.profiles,
                                      split_mlps="convolutions" if args.split_convolutions else True,
+                                     pace_hedge=args.pace_hedge,
                                      on_row=lambda row, kept=pending, done=rows: (kept.append(row), save(done + kept)))
                 except Exception as e:  # one case's failure is reported, and the others still run
                     traceback.print_exc()

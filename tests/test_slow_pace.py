@@ -62,3 +62,43 @@ def test_a_cut_that_holds_at_both_paces_is_not_reported(traced) -> None:
     plan, _ = _plan(traced, "eager")
     plan.cost_source = dict(plan.cost_source, slow_pace={"host_probe_us": 310.0, "imbalance": plan.imbalance + 0.01})
     assert "host pace:" not in format_table(plan)
+
+
+def _hedged(traced, hedge: float, mode: str = "eager", pp: int = 2):
+    profile = PROFILES["h200"].with_mode(mode).at_host_pace(PROBE)
+    return plan_stages(traced, pp, microbatches=4, device=profile, split_mlps=False, pace_hedge=hedge)
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_a_hedged_cut_gives_up_at_most_its_hedge_for_the_slow_pace(traced, pp) -> None:
+    """[Note: a cut hedged over paces]: the cut's max/mean at the probed pace stays within the
+    hedge of the unhedged cut's, and its slow-pace max/mean is lower."""
+    base, hedged = _hedged(traced, 0.0, pp=pp), _hedged(traced, 0.1, pp=pp)
+    assert "pace_hedge" not in base.cost_source and hedged.cost_source["pace_hedge"] == 0.1
+    assert hedged.imbalance <= base.imbalance + 0.1 + 1e-9
+    assert hedged.cost_source["slow_pace"]["imbalance"] < base.cost_source["slow_pace"]["imbalance"] - 0.01
+    # Its figure is the worse of the two paces' least: no cut between these bounds does better.
+    worst = max(hedged.imbalance, hedged.cost_source["slow_pace"]["imbalance"])
+    assert worst < max(base.imbalance, base.cost_source["slow_pace"]["imbalance"])
+    # A hedge of none cuts as the default does.
+    assert [s.nodes[0] for s in _hedged(traced, 0).stages] == [s.nodes[0] for s in _plan(traced, "eager")[0].stages]
+
+
+def test_a_small_hedge_stays_within_it(traced) -> None:
+    base, hedged = _hedged(traced, 0.0, pp=4), _hedged(traced, 0.01, pp=4)
+    assert hedged.imbalance <= base.imbalance + 0.01 + 1e-9
+    assert hedged.cost_source["slow_pace"]["imbalance"] <= base.cost_source["slow_pace"]["imbalance"] + 1e-9
+
+
+def test_cuda_graph_stages_are_not_hedged(traced) -> None:
+    base, hedged = _hedged(traced, 0.0, mode="graphs"), _hedged(traced, 0.1, mode="graphs")
+    assert [s.nodes[0] for s in hedged.stages] == [s.nodes[0] for s in base.stages]
+    assert "pace_hedge" not in hedged.cost_source
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.0, float("nan"), True, "0.03"])
+def test_a_pace_hedge_out_of_range_is_refused(traced, bad) -> None:
+    from autopipe.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="pace_hedge"):
+        _hedged(traced, bad)

@@ -131,12 +131,14 @@ class DeviceProfile:
         measure/host_pace.py), and slow spells can outlast a whole timing. On an H200, ResNet-50
         at 128 images in 4 eager stages, cut at a probe of 230 us, measured 1.230 max/mean in a
         timing whose sweeps all read the slow pace (323 us), where the plan of a probe a few
-        minutes before measured 1.053; priced at 320 us, the cut reads 1.210. No cut holds at
-        both paces there: the least worst is about 1.08 in 4 stages and 1.15 in 8
-        (benchmarks/eager_pace_sensitivity.py). So a plan of eager stages priced at a probed pace
-        also carries the max/mean of its cut at ``SLOW_PACE`` times that probe
-        (``cost_source["slow_pace"]``), and its report says so where the two differ: stages run
-        as CUDA graphs, or timed as they run (``costs="measured"``), do not depend on it."""
+        minutes before measured 1.053; priced at 320 us, the cut reads 1.210. Other cuts do
+        better at both: by the model, the least worst of the two paces reads 1.046 / 1.051 in 4
+        stages and 1.052 / 1.057 in 8 (benchmarks/eager_pace_sensitivity.py), at a cost at the
+        fast pace ([Note: a cut hedged over paces] in replayed_cuts.py, off by default). So a
+        plan of eager stages priced at a probed pace also carries the max/mean of its cut at
+        ``SLOW_PACE`` times that probe (``cost_source["slow_pace"]``), and its report says so
+        where the two differ: stages run as CUDA graphs, or timed as they run
+        (``costs="measured"``), do not depend on it."""
         cal = self.calibration
         if cal is None or not cal.host_probe > 0 or not probe > 0:
             return self

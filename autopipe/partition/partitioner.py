@@ -73,6 +73,7 @@ def partition(
     measured: MeasuredCosts | None = None,
     node_seconds: Mapping[str, float] | None = None,
     stage_scale: Sequence[float] | None = None,
+    pace_hedge: float = 0.0,
 ) -> PartitionPlan:
     """Cut ``traced`` into ``pp * chunks`` stages at node granularity; ``balance`` is a mode or
     split-point modules. (:func:`autopipe.stages.plan_stages` may also cut inside MLPs.)
@@ -91,7 +92,14 @@ def partition(
     ``stage_scale`` (one factor per stage, balance="cost") says how much slower each stage runs
     in the pipeline than its parts sum to ([Note: stage scale] in autopipe/measure/pipeline_scale.py):
     the cut balances the scaled times, and the plan's stage times are the scaled ones.
+
+    ``pace_hedge`` (eager stages priced at a probed host pace, balance="cost"): the max/mean the
+    cut may give up at that pace for the least worst of it and the host's slow pace ([Note: a
+    cut hedged over paces] in replayed_cuts.py); 0, the default, cuts for the probed pace alone.
     """
+    if not (isinstance(pace_hedge, (int, float)) and not isinstance(pace_hedge, bool) and 0 <= pace_hedge < 1):
+        raise ConfigError(f"pace_hedge={pace_hedge!r}: give the max/mean an eager cut may give up at the probed "
+                          "host pace, a number in [0, 1), e.g. 0.03 (0 turns it off)")
     pp, chunks, tp = (positive_int(n, v) for n, v in (("pp", pp), ("chunks", chunks), ("tp", tp)))
     microbatches = positive_int("microbatches", microbatches)
     activation_dtype = _check_activation_dtype(activation_dtype)
@@ -100,7 +108,7 @@ def partition(
     return _partition(traced, pp=pp, chunks=chunks, tp=tp, microbatches=microbatches, balance=balance,
                       device=device, schedule=schedule, mem_cap=mem_cap, model_name=model_name,
                       activation_dtype=activation_dtype, node_seconds=node_seconds, measured=measured,
-                      stage_scale=_check_stage_scale(stage_scale, pp * chunks, balance, mem_cap))
+                      stage_scale=_check_stage_scale(stage_scale, pp * chunks, balance, mem_cap), pace_hedge=pace_hedge)
 
 
 def _check_stage_scale(scale: Sequence[float] | None, n_stages: int, balance: Any,
@@ -171,6 +179,7 @@ def _partition(
     starts: list[int] | None = None,
     stage_scale: tuple[float, ...] | None = None,
     price_slow_pace: bool = True,
+    pace_hedge: float = 0.0,
 ) -> PartitionPlan:
     n_stages = pp * chunks
     profile = get_profile(device)
@@ -219,11 +228,14 @@ def _partition(
         starts, mode = _solve(balance, n_stages, nodes, traced, compute, cut_time, cut_latency, mem, mem_cap,
                               allowed, overhead, [costs[n].param_count for n in order])
 
-    factors = stage_scale
+    factors, slow = stage_scale, None
     if launches is not None and node_seconds is None and stage_scale is None:  # where nothing else prices them
+        paced = profile.calibration is not None and profile.calibration.host_probe > 0
+        slow = profile.at_host_pace(profile.calibration.host_probe * SLOW_PACE).launches([costs[n] for n in order]) \
+            if recut and pace_hedge > 0 and paced else None
         starts, factors = replayed_cut(launches, compute, analytic, starts, recut=recut, allowed=allowed,
                                        overhead=overhead, cut_time=cut_time, cut_latency=cut_latency,
-                                       mem=mem, mem_cap=mem_cap)
+                                       mem=mem, mem_cap=mem_cap, slow=slow, hedge=pace_hedge)
     times = _copies_as_compute(balancer.overlapped_stage_times(compute, starts, cut_time, cut_latency, overhead),
                                starts, copies)
     if factors is not None:  # as the stages run: replayed, or in the pipeline ([Note: stage scale])
@@ -236,7 +248,7 @@ def _partition(
     replays = stage_replays(launches, starts) if launches else [sum(analytic[i:j]) for i, j in zip(starts, ends)]
     for stage, seconds in zip(plan.stages, replays):
         stage.analytic_time = float(seconds)
-    plan.cost_source = _cost_source(profile, measured)
+    plan.cost_source = _cost_source(profile, measured) | ({"pace_hedge": pace_hedge} if slow is not None else {})
     if price_slow_pace and measured is None and node_seconds is None and "host_probe_us" in plan.cost_source:
         plan.cost_source["slow_pace"] = _at_slow_pace(traced, starts, profile, pp=pp, chunks=chunks, tp=tp,
                                                       microbatches=microbatches, schedule=schedule, mem_cap=mem_cap,

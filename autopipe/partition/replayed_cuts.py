@@ -16,7 +16,7 @@ replays. The plan's stage times are the replays.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -38,13 +38,16 @@ def _stage_seconds(launches: Sequence[Sequence[Launch]], extra: np.ndarray, head
 def replayed_cut(launches: Sequence[Sequence[Launch]], compute: Sequence[float], analytic: Sequence[float],
                  starts: list[int], *, recut: bool, cut_time: Sequence[float], cut_latency: Sequence[float],
                  allowed: Sequence[bool], overhead: float, mem: Sequence[float] | None = None,
-                 mem_cap: float | None = None) -> tuple[list[int], list[float]]:
+                 mem_cap: float | None = None, slow: Sequence[Sequence[Launch]] | None = None,
+                 hedge: float = 0.0) -> tuple[list[int], list[float]]:
     """The cut (``starts``, or with ``recut`` the one whose largest replayed stage is least) and
     each of its stages' replayed compute over its summed compute ([Note: cuts on stage replays]).
     ``launches``: the graph's passes of launches, a forward and a backward (``DeviceProfile.launches``);
     ``compute`` the node prices the balancers cut on (``starts`` among them), ``analytic`` their
     part the launches hold; a stage takes ``max(compute, comm) + latency`` with the transfers
-    ``cut_time`` and ``cut_latency``, as ``balance.solve_overlapped`` counts it."""
+    ``cut_time`` and ``cut_latency``, as ``balance.solve_overlapped`` counts it. With ``slow``
+    (the same passes at the host's slow pace) and ``hedge`` > 0, the recut gives up to ``hedge``
+    of max/mean at the first pace for the least worst of both ([Note: a cut hedged over paces])."""
     n = len(compute)
     extra = np.concatenate(([0.0], np.cumsum(np.subtract(compute, analytic))))
     if recut and len(starts) > 1:
@@ -53,14 +56,53 @@ def replayed_cut(launches: Sequence[Sequence[Launch]], compute: Sequence[float],
         given = _stage_seconds(launches, extra, fences[:-1], fences[1:], overhead)
         bound = float(np.max(np.maximum(given, cut_t[fences[:-1]] + cut_t[fences[1:]])
                              + cut_l[fences[:-1]] + cut_l[fences[1:]])) * (1 + 1e-9)  # rounding
-        band = Band.build(problem, cut_t, cut_l, bound, overhead)  # every stage summing within the bound
-        seconds = _stage_seconds(launches, extra, np.broadcast_to(band.heads[:, None], band.ends.shape), band.ends,
-                                 overhead)
-        _, comm, latency, _ = stage_time(problem.prefix, cut_t, cut_l, band.heads[:, None], band.ends, overhead)
-        band = Band(n, band.heads, band.ends, np.where(np.isfinite(band.time), np.maximum(seconds, comm) + latency,
-                                                       np.inf), band.weight)
-        starts = band.pick(len(starts), band.least_max(len(starts)))
+        band = _replayed_band(launches, extra, problem, cut_t, cut_l, bound, overhead)
+        least = band.least_max(len(starts))
+        starts = band.pick(len(starts), least)
+        if slow is not None and hedge > 0:
+            starts = _hedged(launches, slow, extra, problem, cut_t, cut_l, starts, least, overhead, hedge)
     ends = list(starts[1:]) + [n]
     replayed = [r + extra[j] - extra[i] + overhead for r, i, j in zip(stage_replays(launches, starts), starts, ends)]
     summed = [float(sum(compute[i:j])) + overhead for i, j in zip(starts, ends)]
     return list(starts), [r / s if s > 0 else 1.0 for r, s in zip(replayed, summed)]
+
+
+def _replayed_band(launches: Sequence[Sequence[Launch]], extra: np.ndarray, problem: Any, cut_t: np.ndarray,
+                   cut_l: np.ndarray, bound: float, overhead: float) -> Band:
+    """Every stage whose summed compute fits ``bound``, timed by its replay of ``launches``."""
+    band = Band.build(problem, cut_t, cut_l, bound, overhead)
+    seconds = _stage_seconds(launches, extra, np.broadcast_to(band.heads[:, None], band.ends.shape), band.ends,
+                             overhead)
+    _, comm, latency, _ = stage_time(problem.prefix, cut_t, cut_l, band.heads[:, None], band.ends, overhead)
+    return Band(band.n, band.heads, band.ends,
+                np.where(np.isfinite(band.time), np.maximum(seconds, comm) + latency, np.inf), band.weight)
+
+
+# [Note: a cut hedged over paces]
+# A cut balanced at the pace a probe read is off at the host's slow pace where a model has
+# stages bound by their kernels and stages bound by their launches ([Note: a cut at another
+# pace] in device.py). The replays price every stage at both paces in closed form, so the least
+# worst cut of the two is a min-max over the same band: each stage's time at each pace over
+# that pace's mean stage (of the cut at the first pace), the larger of the two. Its price at the
+# first pace is bounded: the stages may reach the first cut's largest plus ``hedge`` times the
+# mean stage, and no further. By the h200 table (benchmarks/eager_pace_sensitivity.py, probes
+# of 230 and 320 us), ResNet-50 at 128 images in 4 and 8 stages: the cut at 230 us reads 1.012
+# and 1.027 there but 1.210 and 1.217 at 320; the least worst of both, 1.046 / 1.051 and
+# 1.052 / 1.057. Off by default (``partition(pace_hedge=...)``): what it costs at the fast
+# pace on the GPU is not timed yet.
+def _hedged(launches: Sequence[Sequence[Launch]], slow: Sequence[Sequence[Launch]], extra: np.ndarray,
+            problem: Any, cut_t: np.ndarray, cut_l: np.ndarray, starts: list[int], least: float, overhead: float,
+            hedge: float) -> list[int]:
+    """The cut whose larger max/mean at the two paces of ``launches`` and ``slow`` is least,
+    among cuts whose stages at the first pace stay within ``least`` plus ``hedge`` mean stages."""
+    stages = len(starts)
+    heads = np.asarray(starts)
+    ends = np.append(heads[1:], problem.n)
+    means = [float(np.mean(_stage_seconds(p, extra, heads, ends, overhead))) for p in (launches, slow)]
+    fast = _replayed_band(launches, extra, problem, cut_t, cut_l, (least + hedge * means[0]) * (1 + 1e-9), overhead)
+    within = fast.time <= (least + hedge * means[0]) * (1 + 1e-9)
+    seconds = _stage_seconds(slow, extra, np.broadcast_to(fast.heads[:, None], fast.ends.shape), fast.ends, overhead)
+    _, comm, latency, _ = stage_time(problem.prefix, cut_t, cut_l, fast.heads[:, None], fast.ends, overhead)
+    worse = np.maximum(fast.time / means[0], (np.maximum(seconds, comm) + latency) / means[1])
+    both = Band(fast.n, fast.heads, fast.ends, np.where(within, worse, np.inf), fast.weight)
+    return both.pick(stages, both.least_max(stages))
