@@ -16,12 +16,12 @@ replays. The plan's stage times are the replays.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from .balance import overlap_problem
-from .balance_problem import Band, stage_time
+from .balance_problem import Band, Problem, stage_time
 from .launch_queue import Launch, pass_replays, stage_replays
 
 __all__ = ["replayed_cut"]
@@ -67,7 +67,7 @@ def replayed_cut(launches: Sequence[Sequence[Launch]], compute: Sequence[float],
     return list(starts), [r / s if s > 0 else 1.0 for r, s in zip(replayed, summed)]
 
 
-def _replayed_band(launches: Sequence[Sequence[Launch]], extra: np.ndarray, problem: Any, cut_t: np.ndarray,
+def _replayed_band(launches: Sequence[Sequence[Launch]], extra: np.ndarray, problem: Problem, cut_t: np.ndarray,
                    cut_l: np.ndarray, bound: float, overhead: float) -> Band:
     """Every stage whose summed compute fits ``bound``, timed by its replay of ``launches``."""
     band = Band.build(problem, cut_t, cut_l, bound, overhead)
@@ -91,7 +91,7 @@ def _replayed_band(launches: Sequence[Sequence[Launch]], extra: np.ndarray, prob
 # 1.052 / 1.057. Off by default (``partition(pace_hedge=...)``): what it costs at the fast
 # pace on the GPU is not timed yet.
 def _hedged(launches: Sequence[Sequence[Launch]], slow: Sequence[Sequence[Launch]], extra: np.ndarray,
-            problem: Any, cut_t: np.ndarray, cut_l: np.ndarray, starts: list[int], least: float, overhead: float,
+            problem: Problem, cut_t: np.ndarray, cut_l: np.ndarray, starts: list[int], least: float, overhead: float,
             hedge: float) -> list[int]:
     """The cut whose larger max/mean at the two paces of ``launches`` and ``slow`` is least,
     among cuts whose stages at the first pace stay within ``least`` plus ``hedge`` mean stages."""
@@ -99,10 +99,9 @@ def _hedged(launches: Sequence[Sequence[Launch]], slow: Sequence[Sequence[Launch
     heads = np.asarray(starts)
     ends = np.append(heads[1:], problem.n)
     means = [float(np.mean(_stage_seconds(p, extra, heads, ends, overhead))) for p in (launches, slow)]
-    fast = _replayed_band(launches, extra, problem, cut_t, cut_l, (least + hedge * means[0]) * (1 + 1e-9), overhead)
-    within = fast.time <= (least + hedge * means[0]) * (1 + 1e-9)
-    seconds = _stage_seconds(slow, extra, np.broadcast_to(fast.heads[:, None], fast.ends.shape), fast.ends, overhead)
-    _, comm, latency, _ = stage_time(problem.prefix, cut_t, cut_l, fast.heads[:, None], fast.ends, overhead)
-    worse = np.maximum(fast.time / means[0], (np.maximum(seconds, comm) + latency) / means[1])
-    both = Band(fast.n, fast.heads, fast.ends, np.where(within, worse, np.inf), fast.weight)
+    limit = (least + hedge * means[0]) * (1 + 1e-9)  # rounding
+    # The same band of stages (it is bounded by their summed compute), timed at each pace.
+    fast, slowed = (_replayed_band(p, extra, problem, cut_t, cut_l, limit, overhead) for p in (launches, slow))
+    worse = np.maximum(fast.time / means[0], slowed.time / means[1])
+    both = Band(fast.n, fast.heads, fast.ends, np.where(fast.time <= limit, worse, np.inf), fast.weight)
     return both.pick(stages, both.least_max(stages))
