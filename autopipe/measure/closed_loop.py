@@ -74,9 +74,9 @@ alone:
   slowest stage and a faster stage by one node towards the slowest: each stage between
   gives a node at one end and takes one at the other, and work flows to the fast stage. Chains
   to every faster stage are tried, the fastest first (a long chain crosses more stages that may
-  end heavier; [Note: chains to stages over the mean]). A chain is timed over the run of stages it changes and kept by
-  the same test (a synthetic device in tests/test_measure.py: single moves stop at 1.038,
-  chains reach the floor, 1.022);
+  end heavier; [Note: chains to stages over the mean]). A chain is timed over the run of
+  stages it changes and kept by the same test (a synthetic device in tests/test_measure.py:
+  single moves stop at 1.038, chains reach the floor, 1.022);
 - a plan cut inside MLPs ([Note: MLP pieces]) is moved in the graph cut into its pieces, which
   stay as they are (a boundary that leaves an MLP leaves its pieces in one stage, computed one
   after the other): on an H200, eager, ViT-B/16 at 128 images, the rounds' best plans were in
