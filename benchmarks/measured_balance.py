@@ -92,6 +92,7 @@ def run_case(name: str, traced: Any, mb: int, mode: str, layouts: tuple, reps: i
     base = {"model": name, "microbatch": mb, "mode": mode, "profile_seconds": profile_s,
             "cached_profile_seconds": cached_s,
             "stage_overhead_ms": measured.stage_overhead * 1e3 if measured is not None else None,
+            "boundary_us_per_mb": measured.boundary_rate * 1e12 if measured is not None else None,
             "cache_hit": again is not None and again.segments == measured.segments}
     gpu = PROFILES[gpu_profile_name(device_name(setup.device))]
     calibrated = gpu.with_mode(mode)

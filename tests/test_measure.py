@@ -180,7 +180,7 @@ def _synthetic(traced, hidden_seed: int = 1):
 
     def device(plan):
         return [sum((hidden[k] if k != UNPROFILED else 1.0) * s for k, s in by.items()) + fixed
-                for by in _planned(traced, plan, measured.node_seconds, group_of)]
+                for by in _planned(traced, plan, measured, group_of)]
 
     def replan(factors, **kw):
         seconds = {n: s * factors[group_of[n]] for n, s in base.items()}
@@ -197,7 +197,7 @@ def test_the_closed_loop_reaches_the_balance_of_the_true_costs():
     truth = replan([hidden[k] for k in range(len(hidden))])
     best_possible = max(device(truth)) / (sum(device(truth)) / 4)
     plan = refine(first, groups=len(measured.segments), target=1.0, rounds=4,
-                  planned=lambda p: _planned(traced, p, measured.node_seconds, group_of),
+                  planned=lambda p: _planned(traced, p, measured, group_of),
                   measure=device, replan=replan)
     assert start > best_possible + 0.05  # the profile alone is off
     assert plan.measured_imbalance <= best_possible + 0.01
@@ -215,7 +215,7 @@ def test_the_closed_loop_holds_when_the_pace_changes_between_timings():
     measured, device, replan, group_of, _ = _synthetic(traced)
     first = plan_stages(traced, 4, device="h100", measured=measured)
     kwargs = dict(groups=len(measured.segments), target=1.0, rounds=4, replan=replan,
-                  planned=lambda p: _planned(traced, p, measured.node_seconds, group_of))
+                  planned=lambda p: _planned(traced, p, measured, group_of))
     steady = refine(first, measure=device, **kwargs)
     paces = iter([1.0, 1.8, 1.1, 1.6, 1.3])
 
@@ -234,7 +234,7 @@ def test_the_closed_loop_stops_at_its_target_and_checks_its_arguments():
     traced = trace(timm_vit(depth=4), (torch.randn(4, 3, 32, 32),))
     measured, device, replan, group_of, _ = _synthetic(traced)
     plan = plan_stages(traced, 4, device="h100", measured=measured)
-    kwargs = dict(groups=len(measured.segments), planned=lambda p: _planned(traced, p, measured.node_seconds, group_of),
+    kwargs = dict(groups=len(measured.segments), planned=lambda p: _planned(traced, p, measured, group_of),
                   measure=device, replan=replan)
     done = refine(plan, target=10.0, rounds=3, **kwargs)
     assert len(done.refinement) == 1

@@ -17,12 +17,15 @@ from typing import Any
 import torch
 
 from autopipe.errors import ConfigError
+from autopipe.partition.cost import graph_costs
+from autopipe.partition.cuts import cut_dag
 from autopipe.partition.measured import MeasuredCosts
 from autopipe.partition.partitioner import analytic_seconds, partition_at
 from autopipe.partition.plan import PartitionPlan
 from autopipe.stages import mlp_pieces, plan_stages
 from autopipe.tracer import TracedModel
 
+from .boundary_copies import boundary_bytes
 from .cache import ProfileCache, default_cache_dir
 from .closed_loop import TARGET, UNPROFILED, Planned, calibrate, move_boundaries, refine, timings
 from .pipeline_scale import stage_scale, stage_seconds
@@ -150,14 +153,14 @@ def _close_the_loop(traced: TracedModel, plan: PartitionPlan, setup: RunSetup, m
         raise ConfigError(f"closed-loop boundary moves must be a non-negative integer, got {options.moves!r}")
     device = partition_args.get("device", "h100")
     plan = refine(plan, groups=len(measured.segments), target=options.target, rounds=options.rounds,
-                  planned=lambda p: _planned(traced, p, measured.node_seconds, group_of, device),
+                  planned=lambda p: _planned(traced, p, measured, group_of, device),
                   measure=timed, replan=replan, scale=scale, judge=faster)
     if options.moves == 0 or partition_args.get("balance", "cost") != "cost" \
             or partition_args.get("mem_cap") is not None:
         return plan  # boundaries the user placed, or a memory cap the moves would not check, stay
     at_args = {k: v for k, v in partition_args.items() if k not in ("split_mlps", "measured", "node_seconds")}
     groups = len(measured.segments)
-    planned = _planned_at(traced, measured.node_seconds, group_of, device)
+    planned = _planned_at(traced, measured, group_of, device, partition_args.get("activation_dtype"))
     paired = None if setup.mode.endswith("graphs") else timed_against
 
     def fitted() -> MeasuredCosts:
@@ -217,28 +220,35 @@ def _priced_by_fit(traced: TracedModel, plan: PartitionPlan, fit: tuple[list[flo
     return kept
 
 
-def _planned_at(traced: TracedModel, seconds: dict[str, float], group_of: dict[str, int],
-                device: Any = "h100") -> Planned:
+def _planned_at(traced: TracedModel, measured: MeasuredCosts, group_of: dict[str, int],
+                device: Any = "h100", activation_dtype: torch.dtype | None = None) -> Planned:
     """``planned(stage_starts, pieces)``: each stage's profiled seconds by segment group, for
     the plan of ``traced`` cut into ``pieces`` whose stages start at those nodes (a piece counts
-    its share of its node, a split or join its analytic seconds on ``device``); None where a
-    start is not a node of that graph."""
-    graphs: dict[str, tuple[list[str], dict[str, tuple[str, float]], dict[str, float]]] = {}
+    its share of its node, a split or join its analytic seconds on ``device``, the copies of its
+    boundaries their seconds at the profile's rate); None where a start is not a node of that graph."""
+    seconds, rate = measured.node_seconds, measured.boundary_rate
+    graphs: dict[str, tuple[list[str], dict[str, tuple[str, float]], dict[str, float], list[float]]] = {}
 
     def planned(starts: list[str], pieces: dict) -> list[dict[int, float]] | None:
         key = json.dumps(pieces, sort_keys=True)
         if key not in graphs:  # the graph cut into those pieces: its order, each piece's node and share
             split = mlp_pieces.cut_mlps(traced, pieces)
             nodes = split.gm.graph.nodes
+            cut = cut_dag(split, graph_costs(split.gm), activation_dtype).cut_bytes if rate > 0 else []
             graphs[key] = ([n.name for n in nodes if n.op != "output"],
                            {n.name: n.meta[mlp_pieces.PIECE_OF] for n in nodes if mlp_pieces.PIECE_OF in n.meta},
-                           _unprofiled(split, seconds, device) if pieces else {})
-        order, piece_of, analytic = graphs[key]
+                           _unprofiled(split, seconds, device) if pieces else {}, [float(b) * rate for b in cut])
+        order, piece_of, analytic, copies = graphs[key]
         position = {n: k for k, n in enumerate(order)}
         if any(n not in position for n in starts):
             return None
         bounds = [position[n] for n in starts] + [len(order)]
-        return [_by_group(order[a:b], seconds, group_of, piece_of, analytic) for a, b in zip(bounds, bounds[1:])]
+        stages = [_by_group(order[a:b], seconds, group_of, piece_of, analytic) for a, b in zip(bounds, bounds[1:])]
+        if copies:  # see [Note: a profile's boundary copies]
+            for stage, a, b in zip(stages, bounds, bounds[1:]):
+                known = (copies[a - 1] if a > 0 else 0.0) + (copies[b - 1] if b < len(order) else 0.0)
+                stage[UNPROFILED] = stage.get(UNPROFILED, 0.0) + known
+        return stages
     return planned
 
 
@@ -263,17 +273,22 @@ def _groups(traced: TracedModel, measured: MeasuredCosts) -> dict[str, int]:
     return {order[i]: k for k, seg in enumerate(measured.segments) for i in range(seg.start, seg.end)}
 
 
-def _planned(traced: TracedModel, plan: PartitionPlan, seconds: dict[str, float],
+def _planned(traced: TracedModel, plan: PartitionPlan, measured: MeasuredCosts,
              group_of: dict[str, int], device: Any = "h100") -> list[dict[int, float]]:
     """Each stage's profiled seconds by segment group; an MLP piece counts its share of its node,
-    a node the profile did not time its analytic seconds on ``device`` (see ``_by_group``)."""
-    piece_of, analytic = {}, {}
+    a node the profile did not time its analytic seconds on ``device`` (see ``_by_group``), and
+    the copies of the stage's boundaries their seconds at the profile's rate, as known."""
+    piece_of, analytic, seconds = {}, {}, measured.node_seconds
     if plan.mlp_pieces:
         split = mlp_pieces.cut_mlps(traced, plan.mlp_pieces)
         piece_of = {n.name: n.meta[mlp_pieces.PIECE_OF] for n in split.gm.graph.nodes
                     if mlp_pieces.PIECE_OF in n.meta}
         analytic = _unprofiled(split, seconds, device)
-    return [_by_group(stage.nodes, seconds, group_of, piece_of, analytic) for stage in plan.stages]
+    stages = [_by_group(stage.nodes, seconds, group_of, piece_of, analytic) for stage in plan.stages]
+    if measured.boundary_rate > 0:  # see [Note: a profile's boundary copies]
+        for stage, nbytes in zip(stages, boundary_bytes(plan)):
+            stage[UNPROFILED] = stage.get(UNPROFILED, 0.0) + nbytes * measured.boundary_rate
+    return stages
 
 
 def _unprofiled(graph: TracedModel, seconds: dict[str, float], device: Any) -> dict[str, float]:

@@ -11,11 +11,12 @@ profiler, node by node ([Note: node times from kernels] in kernels.py): the node
 the balancer cuts by, at node granularity, and the segments serve to share the work among
 ranks, to bound the memory (one segment on the device at a time), and to measure what no
 node owns: the fixed cost of running a stage at all (its first launch, autograd's start, the
-cast of its outputs), the median over segments of what their timing exceeds their nodes by,
-and in eager mode the host's cost of launching a kernel and of running a node, which price the
-nodes through the launch queue ([Note: eager launch queue] in eager_host.py). 16 segments by
-default. On a CPU the ops run
-as they are called, so each segment's wall time is exact: the profiler's op times (which it
+cast of its outputs), the median over segments of what their timing exceeds their nodes by
+(under CUDA graphs, beyond the copies of what crosses their boundaries: [Note: a profile's
+boundary copies] in boundary_copies.py), and in eager mode the host's cost of launching a
+kernel and of running a node, which price the nodes through the launch queue ([Note: eager
+launch queue] in eager_host.py). 16 segments by default. On a CPU the ops run as they are
+called, so each segment's wall time is exact: the profiler's op times (which it
 inflates by a few us an op) only split it among the segment's nodes; the whole graph is also
 timed as one stage, and what the segments add up to beyond it is K - 1 stages' fixed cost.
 Compiled modes fuse nodes into kernels no single node owns: there each segment is timed whole
@@ -53,6 +54,7 @@ from autopipe.partition.cuts import cut_candidates
 from autopipe.partition.partitioner import analytic_seconds, partition_at
 from autopipe.tracer import TracedModel
 
+from .boundary_copies import boundary_bytes, fit_boundary_rate
 from .cache import ProfileCache
 from .eager_host import NodeWork, fit_launch_costs, queue_prices
 from .timer import RunSetup, StageTiming, device_name, time_stages
@@ -105,7 +107,7 @@ def profile_graph(traced: TracedModel, setup: RunSetup, *, segments: int | None 
     if cached is not None:
         return cached
 
-    begin = time.perf_counter()
+    begin, rate = time.perf_counter(), 0.0
     starts = segment_starts(traced, count, analytic)
     plan = partition_at(traced, starts, device=analytic, activation_dtype=setup.compute_dtype)
     mine = [i for i in range(plan.num_stages) if i % world == rank]
@@ -144,13 +146,13 @@ def profile_graph(traced: TracedModel, setup: RunSetup, *, segments: int | None 
                  for nodes, t, _ in timed]
         seconds, overhead = _eager_prices(plan, stage_timings, [(nodes, t.seconds, lost) for nodes, t, lost in timed])
     elif by_kernels:
-        seconds, overhead = _from_kernels(plan, stage_timings, modelled)
+        seconds, overhead, rate = _from_kernels(plan, stage_timings, modelled)
     else:
         seconds, overhead = spread(segs, order, [modelled[n] for n in order]), 0.0
     measured = MeasuredCosts(
         key["fingerprint"], key["input_shapes"], key["dtype"], key["mode"], key["device"], key["torch_version"],
         segs, seconds, time.perf_counter() - begin, recompute=setup.recompute, stage_overhead=overhead,
-        node_detail=detail, pairs=pairs)
+        node_detail=detail, pairs=pairs, boundary_rate=rate)
     if cache is not None and rank == 0:
         cache.save(measured, count)
     return measured
@@ -222,9 +224,10 @@ def _timed_pairs(traced: TracedModel, starts: list[int], setup: RunSetup, analyt
 
 
 def _from_kernels(plan: Any, timings: list[StageTiming],
-                  modelled: dict[str, float]) -> tuple[dict[str, float], float]:
-    """Per-node seconds from the segments' kernel times, and the fixed cost of a stage (CUDA
-    graphs); see [Note: segments]."""
+                  modelled: dict[str, float]) -> tuple[dict[str, float], float, float]:
+    """Per-node seconds from the segments' kernel times, the fixed cost of a stage, and the
+    seconds per byte crossing a stage's boundaries (CUDA graphs); see [Note: segments] and
+    [Note: a profile's boundary copies]."""
     seconds: dict[str, float] = {}
     excess = []
     for stage, timing in zip(plan.stages, timings):
@@ -238,7 +241,12 @@ def _from_kernels(plan: Any, timings: list[StageTiming],
         for n in stage.nodes:
             seconds[n] = own.get(n, 0.0) + lost * weights.get(n, 0.0) / norm
         excess.append(timing.seconds - sum(seconds[n] for n in stage.nodes))
-    return seconds, max(statistics.median(excess), 0.0) if excess else 0.0
+    # The copies into and out of the static buffers run outside the profiled nodes: they are
+    # in the excess, by the bytes crossing each segment's boundaries.
+    nbytes = boundary_bytes(plan)
+    rate = fit_boundary_rate(excess, nbytes)
+    fixed = [e - rate * b for e, b in zip(excess, nbytes)]
+    return seconds, max(statistics.median(fixed), 0.0) if fixed else 0.0, rate
 
 
 def _eager_prices(plan: Any, timings: list[StageTiming],

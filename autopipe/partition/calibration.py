@@ -124,7 +124,8 @@ So a table keeps, per execution mode, seconds per boundary byte (``boundary``), 
 excess over measured kernel times (so that it does not soak up the node model's own errors),
 and the partitioner and the layout search add them to both stages beside each cut
 (partition/transfers.py, ``boundary_copy_seconds``). Eager stages hand their tensors over as
-they are: no rate.
+they are: no rate. A measured profile fits its own ([Note: a profile's boundary copies] in
+measure/boundary_copies.py).
 
 [Note: a GEMM class's fixed time]
 A GEMM's backward at a small micro-batch takes more than its share of the same GEMM at a large

@@ -73,6 +73,9 @@ class MeasuredCosts:
     node_detail: dict[str, list[float]] = field(default_factory=dict)
     # Eager mode: pairs of adjacent segments timed whole (see [Note: segment pairs] in measure/profile.py).
     pairs: list[Segment] = field(default_factory=list)
+    # CUDA graphs: seconds per byte crossing a stage's boundaries, paid by the stages on both
+    # sides of a cut (see [Note: a profile's boundary copies] in measure/profile.py); 0 in other modes.
+    boundary_rate: float = 0.0
     schema: int = SCHEMA_VERSION
 
     @property
@@ -117,7 +120,8 @@ class MeasuredCosts:
                    str(data["dtype"]), str(data["mode"]), str(data["device"]), str(data["torch_version"]),
                    segments, nodes, float(data.get("profile_seconds", 0.0)), bool(data.get("recompute", False)),
                    float(data.get("stage_overhead", 0.0)),
-                   {str(k): [float(x) for x in v] for k, v in data.get("node_detail", {}).items()}, pairs)
+                   {str(k): [float(x) for x in v] for k, v in data.get("node_detail", {}).items()}, pairs,
+                   float(data.get("boundary_rate", 0.0)))
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the profile as JSON (atomically: a reader never sees half a file)."""

@@ -204,8 +204,8 @@ def _partition(
     cut_bytes = [int(b) for b in dag.cut_bytes[: len(order) - 1]]
     cut_time = [cut_seconds(b, profile) for b in cut_bytes]
     # The device copies of what crosses a cut ([Note: boundary copies] in calibration.py): work
-    # on each stage beside it that no node owns. A measured profile's stage cost holds its own.
-    copies = [boundary_copy_seconds(b, profile) if measured is None else 0.0 for b in cut_bytes]
+    # on each stage beside it that no node owns; a measured profile's at its own rate.
+    copies = [boundary_copy_seconds(b, profile) if measured is None else b * measured.boundary_rate for b in cut_bytes]
     cut_latency = [cut_latency_seconds(b, profile) + c for b, c in zip(cut_bytes, copies)]
     cut_cost = [t + lat for t, lat in zip(cut_time, cut_latency)]
     allowed = _parameters_at_both_ends(allowed_cuts(nodes, gm), [costs[n].param_count for n in order], n_stages)
