@@ -151,6 +151,29 @@ def test_least_imbalance_is_the_best_of_every_split(cost, n_stages, overhead):
     assert least_imbalance(cost, n_stages, stage_overhead=overhead) == pytest.approx(best)
 
 
+@SMALL
+@given(st.lists(st.integers(1, 9).map(float), min_size=2, max_size=8), st.integers(1, 4),
+       st.lists(st.integers(0, 4).map(float), min_size=7, max_size=7))
+def test_least_imbalance_with_cut_costs_is_the_split_of_least_largest_stage(cost, n_stages, edges):
+    """Each cut's cost paid by both stages beside it: the ratio of a split whose largest stage
+    is least (the mean moves with the cuts, so that is what a floor for a pipeline's pace is)."""
+    n_stages = min(n_stages, len(cost))
+    cut_cost = edges[: len(cost) - 1]
+    edge = [0.0, *cut_cost, 0.0]
+
+    def stages(starts):
+        ends = [*starts[1:], len(cost)]
+        return [sum(cost[a:b]) + 1.0 + edge[a] + edge[b] for a, b in zip(starts, ends)]
+
+    splits = [stages([0, *chosen]) for chosen in itertools.combinations(range(1, len(cost)), n_stages - 1)]
+    least = min(max(s) for s in splits)
+    ratios = [imbalance(s) for s in splits if max(s) <= least + 1e-9]
+    got = least_imbalance(cost, n_stages, stage_overhead=1.0, cut_cost=cut_cost)
+    assert any(got == pytest.approx(r) for r in ratios)
+    if not any(cut_cost):
+        assert got == pytest.approx(least_imbalance(cost, n_stages, stage_overhead=1.0))
+
+
 def test_one_large_node_holds_the_floor_above_a_target():
     cost = [6.0] + [1.0] * 18  # the large node alone is 6 of a 24/4 = 6 mean: fine at 4 stages
     assert least_imbalance(cost, 4) == pytest.approx(1.0)

@@ -299,15 +299,22 @@ def imbalance(stage_costs: Sequence[float]) -> float:
 
 
 def least_imbalance(cost: Sequence[float], n_stages: int, *, stage_overhead: float = 0.0,
-                    allowed_cuts: Sequence[bool] | None = None) -> float:
+                    allowed_cuts: Sequence[bool] | None = None, cut_cost: Sequence[float] | None = None) -> float:
     """The smallest max/mean that any split of ``cost`` into ``n_stages`` contiguous stages
     reaches, each stage also paying ``stage_overhead``: the floor of every plan that cuts only
     between these positions, however well it knows their costs. A stage can be no shorter than
     its largest position, so one large node (a stem's batch norm over 112x112 maps) can hold
     the floor above a balance target whatever the cost model says. ``allowed_cuts`` as for
-    :func:`solve`."""
-    costs = stage_costs(cost, solve(cost, n_stages, allowed_cuts=allowed_cuts))
-    return imbalance([c + stage_overhead for c in costs])
+    :func:`solve`; ``cut_cost[k]``, where given, is paid by both stages beside a cut after
+    position k (a boundary's copies), and the split is the one whose largest stage is least."""
+    if cut_cost is None:
+        costs = stage_costs(cost, solve(cost, n_stages, allowed_cuts=allowed_cuts))
+        return imbalance([c + stage_overhead for c in costs])
+    starts = solve_scaled(cost, [1.0] * n_stages, cut_cost=cut_cost, allowed_cuts=allowed_cuts,
+                          stage_overhead=stage_overhead)
+    ends = list(starts[1:]) + [len(cost)]
+    edge = boundary_vector("cut_cost", cut_cost, len(cost))
+    return imbalance([sum(cost[a:b]) + stage_overhead + edge[a] + edge[b] for a, b in zip(starts, ends)])
 
 
 def check_starts(starts: Sequence[int], n: int) -> None:
