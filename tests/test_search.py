@@ -656,3 +656,22 @@ def test_prices_follow_each_table_even_one_made_after_another_was_dropped():
         fwd, _ = graph.node_times(2, profile)
         assert fwd.tolist() == pytest.approx([f for f, _ in profile.node_times(graph.costs)], rel=1e-9, abs=1e-15)
         del profile
+
+
+def test_a_measured_profile_prices_boundary_copies_at_its_own_rate():
+    """[Note: a profile's boundary copies]: a layout priced by a profile under CUDA graphs copies
+    what crosses each cut at the profile's fitted rate; the analytic model, at its table's."""
+    from autopipe.measure import RunSetup, profile_graph
+    from autopipe.search.predict import boundary_copy_rate
+
+    traced = _vit_graph()
+    timed = profile_graph(traced, RunSetup("cpu", reps=1, warmup=1), segments=2)
+    timed = dataclasses.replace(timed, input_shapes=[[4, 3, 32, 32]], boundary_rate=7e-13)
+    layout = Layout(2, 1, 1, 2, 1, "1f1b", False, False, "graphs")
+    pricing = Pricing(get_profile("h200"), LinkModel.from_profile(get_profile("h200")), 8)
+    assert boundary_copy_rate(pricing, layout, GraphCosts(traced, 2, measured=[timed]), 4) == 7e-13
+    table = get_profile("h200").with_mode("graphs").calibration.boundary["graphs"]
+    assert table > 0 and boundary_copy_rate(pricing, layout, GraphCosts(traced, 2), 4) == table
+    with_copies = predict(GraphCosts(traced, 2, measured=[timed]), layout, pricing)
+    without = predict(GraphCosts(traced, 2, measured=[dataclasses.replace(timed, boundary_rate=0.0)]), layout, pricing)
+    assert with_copies.step_seconds > without.step_seconds

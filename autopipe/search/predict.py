@@ -162,9 +162,11 @@ def stage_overhead(pricing: Pricing, layout: Layout, graph: GraphCosts, size: in
 
 def boundary_copy_rate(pricing: Pricing, layout: Layout, graph: GraphCosts, size: int) -> float:
     """Seconds per byte crossing a cut that each stage beside it spends copying it ([Note:
-    boundary copies] in partition/calibration.py); a measured profile's stage cost holds its own."""
-    if graph.measured_for(size) is not None:
-        return 0.0
+    boundary copies] in partition/calibration.py); a measured profile's own rate where one
+    prices the layout ([Note: a profile's boundary copies] in measure/boundary_copies.py)."""
+    measured = graph.measured_for(size)
+    if measured is not None:
+        return measured.boundary_rate
     return boundary_copy_seconds(1.0, pricing.profile.with_mode(layout.mode))
 
 
