@@ -17,6 +17,10 @@ excess as a fixed time plus a rate per byte crossing their boundaries (``fit_bou
 median of the slopes between segments, robust to one segment that stands out), and keeps the
 rate (``MeasuredCosts.boundary_rate``), which the partitioner charges on both stages beside
 every cut, as the analytic model charges its calibrated one, and the closed loop counts as known.
+In the next runs (benchmarks/results/2026-11-29-h200-measured-balance-boundary-rate-*.json) the
+rates came out 0.3-1.3 us per MB (the H200 table's: 0.92), ResNet-50's profile priced its stages
+within 2% (3-82% before), and at 32 images in 8 stages it priced the best cut at 1.068: three
+cuts inside layer1, each carrying 51-64 MB. That plan timed 1.061.
 """
 from __future__ import annotations
 
