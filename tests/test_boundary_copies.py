@@ -138,3 +138,40 @@ def test_the_rate_is_saved_and_an_older_profile_reads_none(widening):
     older = json.loads(measured.to_json())
     del older["boundary_rate"]
     assert MeasuredCosts.from_dict(older).boundary_rate == 0.0
+
+
+def test_the_loop_fits_the_nodes_alone_when_the_copies_are_known(widening):
+    """A device whose stages cost their nodes' profiled seconds plus their boundaries' copies:
+    with the copies counted as known, every timing of the loop fits the profile as it is
+    (factors 1, no fixed time); a profile without the rate leaves the copies to the nodes."""
+    from autopipe.measure.closed_loop import calibrate, refine
+
+    rate = 5e-11
+    cut = cut_dag(widening, graph_costs(widening.gm), None).cut_bytes
+    order = [n.name for n in widening.gm.graph.nodes if n.op != "output"]
+
+    def fitted(measured):
+        group_of = _groups(widening, measured)
+        seconds = measured.node_seconds
+
+        def device(plan):
+            bounds = [order.index(s.nodes[0]) for s in plan.stages] + [len(order)]
+            copied = [(cut[a - 1] if a else 0) + (cut[b - 1] if b < len(order) else 0)
+                      for a, b in zip(bounds, bounds[1:])]
+            return [sum(seconds[n] for n in order[a:b]) + rate * c for a, b, c in zip(bounds, bounds[1:], copied)]
+
+        def replan(factors):
+            scaled = {n: s * factors[group_of[n]] for n, s in seconds.items()}
+            return plan_stages(widening, 4, device="h100", split_mlps=False,
+                               measured=dataclasses.replace(measured, node_seconds=scaled))
+
+        first = plan_stages(widening, 4, device="h100", measured=measured, split_mlps=False)
+        plan = refine(first, groups=len(measured.segments), target=1.0, rounds=2, measure=device, replan=replan,
+                      planned=lambda p: _planned(widening, p, measured, group_of))
+        at = _planned_at(widening, measured, group_of)
+        return calibrate(plan.refinement, len(measured.segments), at)
+
+    factors, fixed = fitted(_profiled(widening, rate))
+    assert factors == pytest.approx([1.0, 1.0], abs=1e-6) and fixed == pytest.approx(0.0, abs=1e-9)
+    factors, fixed = fitted(_profiled(widening, 0.0))
+    assert fixed > 1e-5 and max(abs(f - 1.0) for f in factors) > 0.01  # the copies leak into both
