@@ -83,6 +83,20 @@ def test_messages_cross_the_ring_in_order_and_reuse_its_slots() -> None:
     receiver.close()
 
 
+def test_a_receive_not_yet_copied_out_lands_where_it_is_redirected() -> None:
+    """A CUDA graph's slot taken at the forward: the message goes straight into its inputs."""
+    sender, receiver, monitor = _ends(slots=2, nbytes=message_bytes([torch.zeros(4)]))
+    pooled, static = [torch.zeros(4)], [torch.zeros(4)]
+    (receipt,) = receiver.post(False, 0, pooled, "receive")
+    sender.post(True, 1, [torch.arange(4.0)], "send")
+    assert receipt.redirect(static)
+    monitor.wait([receipt], "receive")
+    assert torch.equal(static[0], torch.arange(4.0)) and torch.equal(pooled[0], torch.zeros(4))
+    assert not receipt.redirect(pooled)  # copied out already
+    sender.close()
+    receiver.close()
+
+
 def test_a_slot_of_no_bytes_is_refused() -> None:
     with pytest.raises(ConfigError, match="slot_bytes must be positive, got 0"):
         SharedLinks.connect(device=torch.device("cpu"), store=dist.HashStore(), key="k", rank=0, receives={},

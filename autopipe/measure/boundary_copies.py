@@ -20,7 +20,11 @@ every cut, as the analytic model charges its calibrated one, and the closed loop
 In the next runs (benchmarks/results/2026-11-29-h200-measured-balance-boundary-rate-*.json) the
 rates came out 0.3-1.3 us per MB (the H200 table's: 0.92), ResNet-50's profile priced its stages
 within 2% (3-82% before), and at 32 images in 8 stages it priced the best cut at 1.068: three
-cuts inside layer1, each carrying 51-64 MB. That plan timed 1.061.
+cuts inside layer1, each carrying 51-64 MB. That plan timed 1.061. The pipeline then stopped
+making those copies ([Note: graph slots as boundaries] in runtime/graphs.py): the same profile
+fits a rate of 0, ResNet-50's stages of 32 images take 1.11-1.20 ms instead of 1.13-1.29, and 8
+stages time 1.046 (benchmarks/results/2026-11-29-h200-measured-balance-graph-boundaries-*.json).
+The rate stays where a mode still copies at its boundaries.
 """
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ class StageTiming:
 class StageRun:
     """One prepared stage on its inputs, ready to be timed. The first forward and backward (which
     compile and capture) run on construction, on the process's cores; ``outputs`` (detached)
-    feed the next stage."""
+    feed the next stage (copies of a graph's static ones)."""
 
     def __init__(self, stage: nn.Module, inputs: Sequence[torch.Tensor], grads: Sequence[bool],
                  setup: RunSetup) -> None:
@@ -45,9 +45,16 @@ class StageRun:
         self.xs = [x.detach().requires_grad_(g) for x, g in zip(inputs, grads)]
         self.graphs = None
         if setup.mode.endswith("graphs"):
-            specs = [TensorSpec(tuple(x.shape), x.dtype, channels_last_dense(x)) for x in self.xs]
+            # As a pipeline of one host runs it ([Note: graph slots as boundaries]): the inputs
+            # lie in the slot's static inputs, the gradients of the outputs in its static ones.
+            specs = [_spec(x) for x in self.xs]
             self.graphs = StageGraphs(stage, specs, grads, 1, setup.device)
             self.graphs.prepare_grads()
+            static = self.graphs.inputs_of(0, specs)
+            with torch.no_grad():
+                for x, into in zip(self.xs, static):
+                    into.copy_(x)
+            self.xs = static
         self.seeds: list[torch.Tensor] | None = None
         self._outputs: tuple[torch.Tensor, ...] = ()
         self.clock = Clock(setup.device)
@@ -55,23 +62,36 @@ class StageRun:
 
     @property
     def outputs(self) -> tuple[torch.Tensor, ...]:
-        return tuple(o.detach() for o in self._outputs)
+        return tuple(o.detach().clone() if self.graphs is not None else o.detach() for o in self._outputs)
 
     def forward(self) -> tuple[Any, list[torch.Tensor]]:
-        if self.graphs is not None:
-            slot, outs = self.graphs.forward(*self.xs)
-        else:
-            slot, outs = None, self.stage(*self.xs)
+        outs = self.graphs.forward(0, *self.xs) if self.graphs is not None else self.stage(*self.xs)
         self._outputs = (outs,) if isinstance(outs, torch.Tensor) else tuple(outs)
-        return slot, [o for o in self._outputs if isinstance(o, torch.Tensor) and o.requires_grad]
+        return None, [o for o in self._outputs if isinstance(o, torch.Tensor) and o.requires_grad]
 
     def backward(self, slot: Any, outs: list[torch.Tensor]) -> None:
         if self.seeds is None:
-            self.seeds = [torch.randn_like(o) for o in outs]
+            self.seeds = self._seeds(outs)
+        for x in self.xs:  # each received micro-batch is a new leaf: nothing accumulates into it
+            x.grad = None
         if outs:
             torch.autograd.backward(outs, self.seeds)
         if self.graphs is not None:
-            self.graphs.release(slot)
+            self.graphs.leaving_input_grads(0, [i for i, g in enumerate(self.grads) if g], lend=True)
+
+    def _seeds(self, outs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Random gradients for ``outs``; under CUDA graphs, in the slot's static ones."""
+        static = None
+        if self.graphs is not None:
+            floating = [i for i, o in enumerate(self._outputs) if isinstance(o, torch.Tensor) and o.requires_grad]
+            static = self.graphs.grad_outputs_of(0, floating, [_spec(o) for o in outs])
+        seeds = [torch.randn_like(o) for o in outs]
+        if static is None:
+            return seeds
+        with torch.no_grad():
+            for into, seed in zip(static, seeds):
+                into.copy_(seed)
+        return list(static)
 
     def time(self, setup: RunSetup, *, warm_seconds: float) -> StageTiming:
         """Median forward and backward seconds of ``setup.reps`` back-to-back repetitions, after
@@ -122,6 +142,10 @@ class StageRun:
     def close(self) -> None:
         for p in self.stage.parameters():
             p.grad = None
+
+
+def _spec(x: torch.Tensor) -> TensorSpec:
+    return TensorSpec(tuple(x.shape), x.dtype, channels_last_dense(x))
 
 
 class Clock:

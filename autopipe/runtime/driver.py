@@ -19,7 +19,7 @@ from autopipe.runtime.graphs import StageGraphs
 from autopipe.runtime.host_links import ring_slots, shared_links, slot_bytes
 from autopipe.runtime.host_threads import pinned_host_threads
 from autopipe.failure.monitor import DEFAULT_DEADLINE, FailureMonitor, failure_key
-from autopipe.runtime.microbatch import SPLITS, batch_size, merge, microbatch_sizes, split_inputs, split_targets
+from autopipe.runtime.microbatch import SPLITS, batch_loss, batch_size, merge, microbatch_sizes, split_inputs, split_targets
 from autopipe.runtime.p2p import P2P, Link, TensorSpec, check_boundary, floating_indices, world_links
 from autopipe.runtime.stage_set import StageSet, check_layout
 from autopipe.runtime.program import Compute, Step, compile_program
@@ -27,7 +27,7 @@ from autopipe.runtime.schedule import ActionKind, stage_slots, validate
 from autopipe.runtime import streams
 from autopipe.runtime.timeline import Timeline
 from autopipe.runtime.transfers import StepTransfers
-from autopipe.runtime.warmup import warm_up
+from autopipe.runtime.warmup import warm_up_once
 
 __all__ = ["PipelineDriver", "StageSet"]
 
@@ -111,6 +111,7 @@ class PipelineDriver:
             pp_rank, (store if store is not None else _get_default_store()) if pp > 1 else None,
             failure_key(pp_group) if pp > 1 else "", deadline=deadline, threaded=self.device.type == "cpu")
         self.transfers = StepTransfers(self.p2p, self.device, self.monitor, timeline)
+        self.transfers.destination = self._graph_destination
         # (CUDA, one host): how transfers are posted, and whether through shared memory (host_links.py).
         self._link = (self.device.type == "cuda", self.p2p is not None and self.p2p.one_host)
         self._shared = pp > 1 and shared_links(*self._link)
@@ -121,7 +122,6 @@ class PipelineDriver:
         self.cuda_graphs = cuda_graphs
         self.warm_up_stages = warm_up_stages
         self._warm: set[tuple] = set()  # (stage, micro-batch size, training, grad) already run
-        self._slot: dict[tuple[int, int], int] = {}
         self._train_program = None if schedule == "forward_only" else self._program(schedule, microbatches)
         self._eval_program = self._program("forward_only", microbatches)
         self._reset()
@@ -218,24 +218,16 @@ class PipelineDriver:
     def _warm_up(self, grad: bool) -> None:
         """See [Note: stage warm-up]; stage 0 needs the model's input specs. Once per
         micro-batch size and mode; the planned size is warmed by CUDA graph capture instead."""
-        if not self.warm_up_stages or (0 in self.stages and self.input_specs is None):
-            return
-        # One order on every rank: compiled tp stages run collectives while warming up.
-        for size in sorted({self.shapes.key(n) for n in self._sizes or [None]}, key=lambda k: k or 0):
-            if grad and self.cuda_graphs and size is None:
-                continue
-            for s, stage in sorted(self.shapes.of(size)[0].items()):
-                key = (s, size, stage.training, grad)
-                if key not in self._warm:
-                    warm_up(stage, *self.shapes.stage_inputs(s, size), self.device, backward=grad)
-                    self._warm.add(key)
+        if self.warm_up_stages and (0 not in self.stages or self.input_specs is not None):
+            sizes = {self.shapes.key(n) for n in self._sizes or [None]} - ({None} if grad and self.cuda_graphs else set())
+            warm_up_once(self.shapes, sizes, self.device, backward=grad, done=self._warm)
 
     def _capture_graphs(self) -> None:
         """Captures every local stage once, in the mode it is in now; see runtime/graphs.py."""
         if not self._graphs:
             slots = stage_slots(self.schedule, self.pp, self.microbatches, self.chunks, self.pp_rank)
-            for s in sorted(self.stages):
-                self._graphs[s] = StageGraphs(self.stages[s], *self.shapes.stage_inputs(s), slots[s], self.device)
+            self._graphs.update({s: StageGraphs(self.stages[s], *self.shapes.stage_inputs(s), slots[s], self.device)
+                                 for s in sorted(self.stages)})
         for graphs in self._graphs.values():
             graphs.prepare_grads()
 
@@ -249,9 +241,8 @@ class PipelineDriver:
         return self._programs[(schedule, m)]
 
     def _reset(self) -> None:
-        for (s, _), slot in self._slot.items():  # the slots a failed step still held
-            self._graphs[s].release(slot)
-        self._slot = {}
+        for graphs in self._graphs.values():  # the slots a failed step still held
+            graphs.reset()
         self._inputs: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> inputs handed over locally
         self._grads: dict[tuple[int, int], list] = {}  # (stage, mb) -> output grads handed over locally
         self._saved: dict[tuple[int, int], tuple] = {}  # what backward needs; it frees it
@@ -318,24 +309,34 @@ class PipelineDriver:
                     self.transfers.post(step.transfers)
             self.transfers.finish()
 
+    def _graphs_for(self, s: int, mb: int) -> StageGraphs | None:
+        """Stage ``s``'s CUDA graphs where micro-batch ``mb`` replays them (training, as planned)."""
+        graphs = self._graphs.get(s)
+        if graphs is None or not self._grad or self._m != self.microbatches or not graphs.usable():
+            return None
+        return graphs if self._mb_shapes[mb][0] is self.stages else None
+
+    def _graph_destination(self, kind: ActionKind, s: int, mb: int, specs: list[TensorSpec]) -> list | None:
+        """Where a receive lands when posted: a slot's static tensors where free (graphs.py)."""
+        graphs = self._graphs_for(s, mb)
+        return graphs.destination(kind is ActionKind.RECV_ACT, mb, specs, self._out_float[s]) if graphs else None
+
     def _forward(self, s: int, mb: int) -> None:
-        bufs = self.transfers.received(ActionKind.RECV_ACT, s, mb) if s else None
+        stages, specs = self._mb_shapes[mb]
+        graphs = self._graphs_for(s, mb)
+        into = graphs.inputs_of(mb, specs[s - 1]) if graphs is not None and s else None
+        bufs = self.transfers.received(ActionKind.RECV_ACT, s, mb, into=into) if s else None
         if s == 0:
             args = self._mb_inputs[mb]
         elif bufs is not None:
             args = tuple(bufs)
         else:
             args = self._inputs.pop((s, mb))
-        if self._grad and s:
-            # Received activations become leaves: backward stops here and leaves their .grad.
-            args = tuple(x.detach().requires_grad_(True) if x.is_floating_point() else x for x in args)
+        if self._grad and s:  # received activations become leaves: backward stops here, and
+            # leaves their .grad (a graph's replay returns them: graphs.py)
+            args = tuple(x.detach().requires_grad_(graphs is None) if x.is_floating_point() else x for x in args)
         mark = self.timeline.begin() if self.timeline is not None else None
-        stages, specs = self._mb_shapes[mb]
-        graphs = self._graphs.get(s) if self._grad and stages is self.stages and self._m == self.microbatches else None
-        if graphs is not None and graphs.usable():
-            self._slot[(s, mb)], outputs = graphs.forward(*args)
-        else:
-            outputs = stages[s](*args)
+        outputs = graphs.forward(mb, *args) if graphs is not None else stages[s](*args)
         if isinstance(outputs, torch.Tensor):
             outputs = (outputs,)
         roots: tuple = outputs
@@ -346,8 +347,8 @@ class PipelineDriver:
                     raise ConfigError(f"loss_fn must return a scalar tensor, got {getattr(loss, 'shape', loss)!r}")
                 self._losses[mb] = loss.detach()
                 roots = (loss / self._m if self._weights is None else loss * self._weights[mb],)
-            if self._keep:
-                self._outputs[mb] = tuple(o.detach() for o in outputs)
+            if self._keep:  # a graph's outputs are its slot's until the slot's next forward
+                self._outputs[mb] = tuple(o.detach().clone() if graphs is not None else o.detach() for o in outputs)
         else:
             check_boundary(outputs, specs[s], s, mb)
             if (s + 1) % self.pp == self.pp_rank:
@@ -363,22 +364,28 @@ class PipelineDriver:
 
     def _backward(self, s: int, mb: int) -> None:
         args, roots, bufs, outputs = self._saved.pop((s, mb))
+        graphs = self._graphs.get(s)
+        graphs = graphs if graphs is not None and graphs.table.holds(mb) is not None else None
         gbufs = None
         if s == self._last:
             pairs = [(r, None) for r in roots if r.requires_grad]
         else:
-            gbufs = self.transfers.received(ActionKind.RECV_GRAD, s, mb)
+            specs = self._mb_shapes[mb][1][s]
+            into = graphs.grad_outputs_of(mb, self._out_float[s], [specs[i] for i in self._out_float[s]]) if graphs else None
+            gbufs = self.transfers.received(ActionKind.RECV_GRAD, s, mb, into=into)
             grads = gbufs if gbufs is not None else self._grads.pop((s, mb))
             pairs = [(roots[i], g) for i, g in zip(self._out_float[s], grads)
                      if g is not None and roots[i].requires_grad]
         mark = self.timeline.begin() if self.timeline is not None else None
+        if graphs is not None and graphs.lent_input_grads(mb) is not None:
+            self.transfers.fence(ActionKind.SEND_GRAD, s, graphs.lent_input_grads(mb))
         if pairs:
             torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
-        in_grads = [args[i].grad for i in self._in_float[s]]
-        slot = self._slot.pop((s, mb), None)
-        if slot is not None:  # a graph's memory must not leave it: see [Note: graph slots]
-            in_grads = [g.clone() if g is not None else None for g in in_grads]
-            self._graphs[s].release(slot)
+        if graphs is not None:  # lent uncopied where a shared-memory link sends them on
+            lend = s > 0 and (s - 1) % self.pp != self.pp_rank and self.transfers.through_shared_memory((s - 1) % self.pp)
+            in_grads = graphs.leaving_input_grads(mb, self._in_float[s], lend=lend)
+        else:
+            in_grads = [args[i].grad for i in self._in_float[s]]
         if s and (s - 1) % self.pp == self.pp_rank:
             self._grads[(s - 1, mb)] = in_grads
         elif s:  # static shapes: an input autograd did not reach gets zeros
@@ -394,12 +401,7 @@ class PipelineDriver:
                                    live=in_grads + [r.grad for r, _ in pairs if r.is_leaf])
 
     def _broadcast_loss(self) -> torch.Tensor:
-        if self._losses and self._weights is not None:
-            loss = sum(self._weights[mb] * value.float() for mb, value in sorted(self._losses.items()))
-        elif self._losses:
-            loss = torch.stack([loss for _, loss in sorted(self._losses.items())]).mean().float()
-        else:
-            loss = torch.empty((), dtype=torch.float32, device=self.device)
+        loss = batch_loss(self._losses, self._weights, self.device)
         if self.pp > 1:
             work = dist.broadcast(loss, src=self._last_global, group=self.group, async_op=True)
             self._wait_collective(work, f"broadcast of the loss from pipeline rank {self._last % self.pp}")

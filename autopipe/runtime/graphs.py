@@ -10,8 +10,8 @@ A captured graph keeps the activations its backward needs in its own memory, ove
 its next forward replay. 1F1B keeps several micro-batches of one stage between forward and
 backward, so a stage gets one graph per micro-batch it may hold at once ("slots", counted
 from the schedule: pp - rank for 1F1B, m for GPipe); a forward takes a free slot, its
-backward frees it (``autopipe.runtime.schedule.stage_slots``). What leaves a graph is copied
-out (outputs, the input gradients sent to the previous stage).
+backward frees it (``autopipe.runtime.schedule.stage_slots``; which slot a micro-batch
+takes: slot_table.py). What crosses the stage's boundary: [Note: graph slots as boundaries].
 
 [Note: gradients inside the graph]
 Each slot is two graphs in one private memory pool: the forward, and the backward that takes
@@ -33,6 +33,25 @@ captured forward replays every in-place update it made: BatchNorm's own
 (``batchnorm="microbatch"``) or the collection of deferred statistics into buffers that the
 end of the step reads and zeroes in place (see [Note: deferred batch norm]).
 
+[Note: graph slots as boundaries]
+A slot's static tensors are the stage's boundary; nothing is copied in or out per micro-batch
+where the pipeline can avoid it:
+- outputs leave as views of the slot's static outputs. They stay valid until the slot's next
+  forward, which comes after this micro-batch's backward; that backward waited for the gradient
+  the next stage sent back after receiving the outputs, so the send has read them. Only outputs
+  kept for the caller (``return_outputs``) are copied;
+- received activations land in the slot's static inputs when the slot is known at the
+  receive ([Note: slots taken at the receive] in slot_table.py), and received gradients in the
+  slot's static output gradients (the slot is known once the forward ran);
+- the inputs' gradients are the slot's static ones: received inputs are not leaves of autograd,
+  so no accumulation copies them into ``.grad`` (the replay's ``anchor`` always requires grad,
+  which makes autograd record it). The driver sends them from there through a shared-memory
+  link and waits on its stream for that copy before the slot's next backward; elsewhere (NCCL,
+  whose send completes only with its peer, or a stage handing them to one on its own rank) it
+  copies them first.
+On an H200, ResNet-50's stages of 32 images paid about 0.85 us per MB crossing their boundaries
+for five such copies (benchmarks/results/2026-11-29-h200-measured-balance-boundary-rate-*.json).
+
 Limits: stages with collectives inside (tp > 1, ``batchnorm="sync"``) are not captured; dropout
 draws through the graph-safe generator.
 """
@@ -46,6 +65,7 @@ import torch.nn as nn
 
 from autopipe.runtime.grad_buffers import GradientViews
 from autopipe.runtime.p2p import TensorSpec
+from autopipe.runtime.slot_table import SlotTable
 from autopipe.runtime.warmup import stand_in_inputs
 
 __all__ = ["StageGraphs"]
@@ -58,8 +78,8 @@ class _Captured:
     def __init__(self, stage: nn.Module, inputs: tuple[torch.Tensor, ...], params: list[nn.Parameter],
                  grad_buffers: list[torch.Tensor], warmup: int = 3) -> None:
         self.inputs = inputs
-        self._wants = [x.requires_grad for x in inputs]
-        n_in = sum(self._wants)
+        self.wants = [x.requires_grad for x in inputs]
+        n_in = sum(self.wants)
         wrt = [x for x in inputs if x.requires_grad] + params
         # Warm up on a side stream, as make_graphed_callables does: library handles, autotuning
         # and the caching allocator settle outside the capture; no .grad is written.
@@ -92,6 +112,11 @@ class _Captured:
                 if pairs:
                     torch._foreach_add_([b for _, b in pairs], [g for g, _ in pairs])
             self.input_grads = [g.detach() if g is not None else None for g in got[:n_in]]
+        # An input's gradient that is another static tensor of the slot (a stage passing an input
+        # through) is overwritten by the slot's next receive: it must be copied before it leaves.
+        others = {t.untyped_storage().data_ptr() for t in (*inputs, *self.outputs, *self.grad_outputs)}
+        self.input_grads_shared = any(g is not None and g.untyped_storage().data_ptr() in others
+                                      for g in self.input_grads)
         del outs, diff
 
     def replay_forward(self, inputs: Sequence[torch.Tensor]) -> None:
@@ -111,7 +136,7 @@ class _Captured:
                     static.copy_(g)
             self.backward_graph.replay()
         it = iter(self.input_grads)
-        return tuple(next(it) if wants else None for wants in self._wants)
+        return tuple(next(it) if wants else None for wants in self.wants)
 
 
 class _Replay(torch.autograd.Function):
@@ -139,7 +164,9 @@ def _as_tuple(out: Any) -> tuple[torch.Tensor, ...]:
 
 
 class StageGraphs:
-    """The captured slots of one stage; see [Note: graph slots].
+    """The captured slots of one stage; see [Note: graph slots] and [Note: graph slots as
+    boundaries]. Each micro-batch holds a slot from its forward (or its receive's posting) to
+    its backward.
 
     ``input_specs`` are the stage's inputs for one micro-batch; ``grad_inputs`` says which of
     them carry a gradient (received activations do, the model's images do not).
@@ -149,8 +176,9 @@ class StageGraphs:
                  slots: int, device: torch.device) -> None:
         self.stage = stage
         self.training = stage.training
-        self._free = list(range(slots))[::-1]
+        self.table = SlotTable(slots)
         self._slots: list[_Captured] = []
+        self._grads_of: dict[int, int] = {}  # slot -> the micro-batch whose input gradients it holds
         buffers = list(stage.buffers())
         saved = [b.clone() for b in buffers]
         # One buffer, so that the dp all-reduce takes them where they lie: [Note: gradients as
@@ -159,7 +187,8 @@ class StageGraphs:
         self._params, self._grads = self._views.params, self._views.views
         for p, g in zip(self._params, self._grads):
             p.grad = g
-        self._anchor = torch.zeros((), device=device, requires_grad=bool(self._params))
+        # Always requires grad: received inputs are no leaves ([Note: graph slots as boundaries]).
+        self._anchor = torch.zeros((), device=device, requires_grad=True)
         # Graphs no longer used hold their memory pools until their last reference goes, which
         # may sit in a reference cycle only the collector breaks, and torch no longer collects
         # before a capture. Where many stages are captured in turn (the stage timer tries one
@@ -185,12 +214,88 @@ class StageGraphs:
         the gradient it had (zero where it had none); see [Note: gradients inside the graph]."""
         self._views.prepare()
 
-    def forward(self, *inputs: torch.Tensor) -> tuple[int, tuple[torch.Tensor, ...]]:
-        """Replays a free slot's forward; returns the slot (for :meth:`release`) and copies of
-        the outputs, attached to the graph's backward."""
-        slot = self._free.pop()
-        outputs = _Replay.apply(self._slots[slot], self._anchor, *inputs)
-        return slot, tuple(o.clone() for o in outputs)
+    def reset(self) -> None:
+        """Frees every slot (those a failed step still held)."""
+        self.table.reset()
+        self._grads_of.clear()
 
-    def release(self, slot: int) -> None:
-        self._free.append(slot)
+    def destination(self, activations: bool, mb: int, specs: Sequence[TensorSpec],
+                    floating: Sequence[int]) -> list[torch.Tensor] | None:
+        """Where a receive for micro-batch ``mb`` lands when posted: its inputs (``activations``)
+        or the gradients of its outputs at positions ``floating``, laid out as ``specs``; None
+        where no static tensors may take them now."""
+        return self.reserved_inputs(mb, specs) if activations else self.grad_outputs_of(mb, floating, specs)
+
+    def reserved_inputs(self, mb: int, specs: Sequence[TensorSpec]) -> list[torch.Tensor] | None:
+        """Where micro-batch ``mb``'s received inputs (``specs``) may land, at the posting of
+        the receive: the static inputs of a slot free now, or None ([Note: slots taken at the
+        receive] in slot_table.py)."""
+        if not _fit(self._slots[0].inputs, specs):
+            return None
+        slot = self.table.reserve(mb)
+        return None if slot is None else [x.detach() for x in self._slots[slot].inputs]
+
+    def inputs_of(self, mb: int, specs: Sequence[TensorSpec]) -> list[torch.Tensor] | None:
+        """The static inputs of the slot micro-batch ``mb``'s forward replays (taken now), for
+        a receive not yet copied out; None where they are not laid out as ``specs``."""
+        if not _fit(self._slots[0].inputs, specs):
+            return None
+        return [x.detach() for x in self._slots[self.table.take(mb)].inputs]
+
+    def grad_outputs_of(self, mb: int, floating: Sequence[int], specs: Sequence[TensorSpec]) -> list[torch.Tensor] | None:
+        """Where the gradients of micro-batch ``mb``'s outputs at positions ``floating``
+        (``specs``) may land: the static output gradients of its slot, once its forward took
+        one and where those are exactly the floating outputs; else None."""
+        slot = self.table.holds(mb)
+        if slot is None:
+            return None
+        captured = self._slots[slot]
+        if [i for i, d in enumerate(captured.differentiable) if d] != list(floating):
+            return None
+        return captured.grad_outputs if _fit(captured.grad_outputs, specs) else None
+
+    def forward(self, mb: int, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Replays micro-batch ``mb``'s slot; returns views of its static outputs, attached to
+        the graph's backward (valid until the slot's next forward)."""
+        return _Replay.apply(self._slots[self.table.take(mb)], self._anchor, *inputs)
+
+    @property
+    def input_grads_shared(self) -> bool:
+        """Whether the inputs' static gradients share memory with another static tensor of
+        their slot (then they must be copied before they leave)."""
+        return self._slots[0].input_grads_shared
+
+    def lent_input_grads(self, mb: int) -> int | None:
+        """The micro-batch whose static input gradients, in the slot ``mb`` holds, were lent
+        to a send at their backward: that send must have read them before this backward."""
+        return self._grads_of.get(self.table.holds(mb))
+
+    def leaving_input_grads(self, mb: int, floating: Sequence[int], *, lend: bool) -> list[torch.Tensor | None]:
+        """After micro-batch ``mb``'s backward, the gradients of its inputs at positions
+        ``floating`` as they leave the stage: lent uncopied where ``lend`` allows (their send
+        needs nothing from its peer) and no other static tensor shares their memory, else
+        copies; frees the slot."""
+        lend = lend and not self.input_grads_shared
+        grads = self.input_grads(mb, lent=lend)
+        return [grads[i] if lend or grads[i] is None else grads[i].clone() for i in floating]
+
+    def input_grads(self, mb: int, *, lent: bool) -> tuple[torch.Tensor | None, ...]:
+        """After micro-batch ``mb``'s backward: the static gradients of its inputs (None for
+        those that take none); frees the slot. ``lent``: they leave uncopied (see
+        :meth:`lent_input_grads`)."""
+        slot = self.table.release(mb)
+        if lent:
+            self._grads_of[slot] = mb
+        else:
+            self._grads_of.pop(slot, None)
+        captured = self._slots[slot]
+        it = iter(captured.input_grads)
+        return tuple(next(it) if wants else None for wants in captured.wants)
+
+
+def _fit(tensors: Sequence[torch.Tensor], specs: Sequence[TensorSpec]) -> bool:
+    """Whether ``tensors`` are laid out exactly as buffers of ``specs`` are (so that both ends of a
+    transfer see the same bytes)."""
+    return len(tensors) == len(specs) and all(
+        t.shape == s.shape and t.dtype == s.dtype and t.stride() == s.empty(torch.device("meta")).stride()
+        for t, s in zip(tensors, specs))

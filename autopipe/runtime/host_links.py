@@ -192,6 +192,14 @@ class _Receipt:
     def is_completed(self) -> bool:
         return self.done
 
+    def redirect(self, buffers: Sequence[torch.Tensor]) -> bool:
+        """Copies the message out into ``buffers`` (laid out as the ones it was bound for)
+        instead, if it is not copied out yet; returns whether it will be."""
+        if self.done:
+            return False
+        self.buffers = buffers
+        return True
+
     def wait(self) -> None:
         if self.done:
             return

@@ -22,7 +22,8 @@ from torch.utils import _pytree as pytree
 
 from autopipe.errors import InputError
 
-__all__ = ["SPLITS", "nearest_divisible", "batch_size", "microbatch_sizes", "split_inputs", "split_targets", "merge"]
+__all__ = ["SPLITS", "nearest_divisible", "batch_size", "microbatch_sizes", "split_inputs", "split_targets", "merge",
+           "batch_loss"]
 
 SPLITS = ("equal", "uneven")  # see [Note: batch splits]
 
@@ -156,3 +157,14 @@ def split_targets(targets: Any, m: int, batch: int | None = None, *, sizes: Sequ
 def merge(outputs: Sequence[Sequence[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
     """Concatenates per-micro-batch output tuples along dim 0 (0-d outputs are stacked)."""
     return tuple(torch.cat(ts) if ts[0].dim() else torch.stack(ts) for ts in zip(*outputs))
+
+
+def batch_loss(losses: dict[int, torch.Tensor], weights: Sequence[float] | None, device: torch.device) -> torch.Tensor:
+    """The batch's loss (float32) from its micro-batches' ``losses``: their mean, or their sum
+    weighted by ``weights`` (micro-batches of unequal sizes); an empty tensor without losses
+    (a rank without the last stage, which receives it)."""
+    if losses and weights is not None:
+        return sum(weights[mb] * value.float() for mb, value in sorted(losses.items()))
+    if losses:
+        return torch.stack([loss for _, loss in sorted(losses.items())]).mean().float()
+    return torch.empty((), dtype=torch.float32, device=device)

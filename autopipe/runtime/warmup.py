@@ -14,14 +14,17 @@ up the same way on its own and needs no extra pass.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 import torch.nn as nn
 
 from autopipe.runtime.p2p import TensorSpec
 
-__all__ = ["stand_in_inputs", "warm_up"]
+if TYPE_CHECKING:
+    from autopipe.runtime.batch_shapes import BatchShapes
+
+__all__ = ["stand_in_inputs", "warm_up", "warm_up_once"]
 
 
 def stand_in_inputs(specs: Sequence[TensorSpec], grad_inputs: Sequence[bool],
@@ -55,3 +58,16 @@ def warm_up(stage: nn.Module, specs: Sequence[TensorSpec], grad_inputs: Sequence
     with torch.no_grad():
         for b, s in zip(buffers, saved):
             b.copy_(s)
+
+
+def warm_up_once(shapes: BatchShapes, sizes: set[int | None], device: torch.device, *, backward: bool,
+                 done: set[tuple]) -> None:
+    """Warms every stage of ``shapes`` at each micro-batch size in ``sizes`` (None: the planned
+    one) that is not yet in ``done`` (keys (stage, size, training, backward), added here)."""
+    # One order on every rank: compiled tp stages run collectives while warming up.
+    for size in sorted(sizes, key=lambda k: k or 0):
+        for s, stage in sorted(shapes.of(size)[0].items()):
+            key = (s, size, stage.training, backward)
+            if key not in done:
+                warm_up(stage, *shapes.stage_inputs(s, size), device, backward=backward)
+                done.add(key)
