@@ -670,8 +670,10 @@ def test_a_measured_profile_prices_boundary_copies_at_its_own_rate():
     layout = Layout(2, 1, 1, 2, 1, "1f1b", False, False, "graphs")
     pricing = Pricing(get_profile("h200"), LinkModel.from_profile(get_profile("h200")), 8)
     assert boundary_copy_rate(pricing, layout, GraphCosts(traced, 2, measured=[timed]), 4) == 7e-13
-    table = get_profile("h200").with_mode("graphs").calibration.boundary["graphs"]
-    assert table > 0 and boundary_copy_rate(pricing, layout, GraphCosts(traced, 2), 4) == table
+    base = get_profile("h200")
+    copying = dataclasses.replace(base, calibration=dataclasses.replace(base.calibration, boundary={"graphs": 9e-13}))
+    pricing = Pricing(copying, LinkModel.from_profile(copying), 8)
+    assert boundary_copy_rate(pricing, layout, GraphCosts(traced, 2), 4) == 9e-13
     with_copies = predict(GraphCosts(traced, 2, measured=[timed]), layout, pricing)
     without = predict(GraphCosts(traced, 2, measured=[dataclasses.replace(timed, boundary_rate=0.0)]), layout, pricing)
     assert with_copies.step_seconds > without.step_seconds

@@ -125,7 +125,10 @@ excess over measured kernel times (so that it does not soak up the node model's 
 and the partitioner and the layout search add them to both stages beside each cut
 (partition/transfers.py, ``boundary_copy_seconds``). Eager stages hand their tensors over as
 they are: no rate. A measured profile fits its own ([Note: a profile's boundary copies] in
-measure/boundary_copies.py).
+measure/boundary_copies.py). The replayed stages have since stopped copying ([Note: graph slots
+as boundaries] in runtime/graphs.py; a ResNet-50 profile then fits a rate of 0 on an H200), so
+the committed tables' ``graphs`` rates (fitted at 1.34 and 0.92 us per MB on the H100 and H200)
+were set to 0; the rate stays for a table fitted where a mode copies.
 
 [Note: a GEMM class's fixed time]
 A GEMM's backward at a small micro-batch takes more than its share of the same GEMM at a large
