@@ -377,8 +377,9 @@ class PipelineDriver:
             pairs = [(roots[i], g) for i, g in zip(self._out_float[s], grads)
                      if g is not None and roots[i].requires_grad]
         mark = self.timeline.begin() if self.timeline is not None else None
-        if graphs is not None and graphs.lent_input_grads(mb) is not None:
-            self.transfers.fence(ActionKind.SEND_GRAD, s, graphs.lent_input_grads(mb))
+        lent = graphs.lent_input_grads(mb) if graphs is not None else None
+        if lent is not None:  # their send must have read them before this backward overwrites them
+            self.transfers.fence(ActionKind.SEND_GRAD, s, lent)
         if pairs:
             torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
         if graphs is not None:  # lent uncopied where a shared-memory link sends them on

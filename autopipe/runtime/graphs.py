@@ -179,6 +179,7 @@ class StageGraphs:
         self.table = SlotTable(slots)
         self._slots: list[_Captured] = []
         self._grads_of: dict[int, int] = {}  # slot -> the micro-batch whose input gradients it holds
+        self._fits: dict[tuple, bool] = {}  # (inputs?, specs) -> whether the slots' tensors are laid out so
         buffers = list(stage.buffers())
         saved = [b.clone() for b in buffers]
         # One buffer, so that the dp all-reduce takes them where they lie: [Note: gradients as
@@ -230,7 +231,7 @@ class StageGraphs:
         """Where micro-batch ``mb``'s received inputs (``specs``) may land, at the posting of
         the receive: the static inputs of a slot free now, or None ([Note: slots taken at the
         receive] in slot_table.py)."""
-        if not _fit(self._slots[0].inputs, specs):
+        if not self._fit(True, specs):
             return None
         slot = self.table.reserve(mb)
         return None if slot is None else [x.detach() for x in self._slots[slot].inputs]
@@ -238,7 +239,7 @@ class StageGraphs:
     def inputs_of(self, mb: int, specs: Sequence[TensorSpec]) -> list[torch.Tensor] | None:
         """The static inputs of the slot micro-batch ``mb``'s forward replays (taken now), for
         a receive not yet copied out; None where they are not laid out as ``specs``."""
-        if not _fit(self._slots[0].inputs, specs):
+        if not self._fit(True, specs):
             return None
         return [x.detach() for x in self._slots[self.table.take(mb)].inputs]
 
@@ -252,7 +253,18 @@ class StageGraphs:
         captured = self._slots[slot]
         if [i for i, d in enumerate(captured.differentiable) if d] != list(floating):
             return None
-        return captured.grad_outputs if _fit(captured.grad_outputs, specs) else None
+        return captured.grad_outputs if self._fit(False, specs) else None
+
+    def _fit(self, inputs: bool, specs: Sequence[TensorSpec]) -> bool:
+        """Whether every slot's static inputs (or output gradients) are laid out as buffers of
+        ``specs`` are (so that both ends of a transfer see the same bytes); slots are alike."""
+        key = (inputs, tuple(specs))
+        if key not in self._fits:
+            tensors = self._slots[0].inputs if inputs else self._slots[0].grad_outputs
+            self._fits[key] = len(tensors) == len(specs) and all(
+                t.shape == s.shape and t.dtype == s.dtype and t.stride() == s.empty(torch.device("meta")).stride()
+                for t, s in zip(tensors, specs))
+        return self._fits[key]
 
     def forward(self, mb: int, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Replays micro-batch ``mb``'s slot; returns views of its static outputs, attached to
@@ -292,10 +304,3 @@ class StageGraphs:
         it = iter(captured.input_grads)
         return tuple(next(it) if wants else None for wants in captured.wants)
 
-
-def _fit(tensors: Sequence[torch.Tensor], specs: Sequence[TensorSpec]) -> bool:
-    """Whether ``tensors`` are laid out exactly as buffers of ``specs`` are (so that both ends of a
-    transfer see the same bytes)."""
-    return len(tensors) == len(specs) and all(
-        t.shape == s.shape and t.dtype == s.dtype and t.stride() == s.empty(torch.device("meta")).stride()
-        for t, s in zip(tensors, specs))
