@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import weakref
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -53,6 +54,20 @@ def test_cuda_graphs_are_refused_where_they_cannot_run() -> None:
         autopipe.parallelize(model, (x,), loss_fn=F.cross_entropy, cuda_graphs=True, device="cpu")
     with pytest.raises(ConfigError, match="tp=2"):
         autopipe.parallelize(model, (x,), tp=2, loss_fn=F.cross_entropy, cuda_graphs=True)
+
+
+def test_a_receive_lands_in_a_slot_only_where_the_slot_is_laid_out_as_its_specs() -> None:
+    """[Note: graph slots as boundaries]: both ends of a transfer must see the same bytes, so a
+    slot's static tensors take a message only where shape, dtype and strides are the specs'."""
+    graphs = StageGraphs.__new__(StageGraphs)  # the check alone: no capture (which needs a GPU)
+    graphs._fits = {}
+    graphs._slots = [SimpleNamespace(inputs=(torch.empty(2, 3, 4, 4).contiguous(memory_format=torch.channels_last),),
+                                     grad_outputs=[torch.empty(2, 5)])]
+    assert graphs._fit(True, [TensorSpec((2, 3, 4, 4), torch.float32, channels_last=True)])
+    assert not graphs._fit(True, [TensorSpec((2, 3, 4, 4), torch.float32)])  # another layout
+    assert not graphs._fit(True, [TensorSpec((2, 3, 4, 4), torch.float32, True)] * 2)  # another count
+    assert graphs._fit(False, [TensorSpec((2, 5), torch.float32)])
+    assert not graphs._fit(False, [TensorSpec((2, 5), torch.bfloat16)]) and not graphs._fit(False, [TensorSpec((4, 5), torch.float32)])
 
 
 @pytest.mark.cuda
