@@ -3,8 +3,10 @@ static tensors when posted ([Note: graph slots as boundaries]), or redirected th
 shared-memory message is not yet copied out; those tensors never go back to the pool."""
 from __future__ import annotations
 
+import pytest
 import torch
 
+from autopipe.errors import ScheduleError
 from autopipe.runtime.p2p import Handle, TensorSpec
 from autopipe.runtime.program import PointToPoint
 from autopipe.runtime.schedule import ActionKind
@@ -60,6 +62,8 @@ def test_receives_land_in_the_destination_or_are_redirected_and_only_pooled_buff
     assert len(b.pool._free[("act", 1, None)]) == 2
     assert a.through_shared_memory(1) and not b.through_shared_memory(0)  # b sends nothing back
     a.fence(ActionKind.SEND_ACT, 0, 0)  # a shared-memory send: its copy is done, the wait returns
+    with pytest.raises(ScheduleError, match=r"send of stage 0's outputs \(micro-batch 5\) must be posted"):
+        a.fence(ActionKind.SEND_ACT, 0, 5)  # never posted: what it would read is about to be overwritten
     a.finish()
     for end in links:
         end.close()

@@ -135,6 +135,10 @@ class _Captured:
                 elif static.data_ptr() != g.data_ptr():
                     static.copy_(g)
             self.backward_graph.replay()
+        return self.grads_by_input()
+
+    def grads_by_input(self) -> tuple[torch.Tensor | None, ...]:
+        """The static gradients of the inputs, one per input (None for those that take none)."""
         it = iter(self.input_grads)
         return tuple(next(it) if wants else None for wants in self.wants)
 
@@ -300,7 +304,5 @@ class StageGraphs:
             self._grads_of[slot] = mb
         else:
             self._grads_of.pop(slot, None)
-        captured = self._slots[slot]
-        it = iter(captured.input_grads)
-        return tuple(next(it) if wants else None for wants in captured.wants)
+        return self._slots[slot].grads_by_input()
 

@@ -13,6 +13,7 @@ from typing import Callable, Sequence
 import torch
 from torch.distributed.distributed_c10d import _get_default_store
 
+from autopipe.errors import ScheduleError
 from autopipe.failure.monitor import FailureMonitor, failure_key
 from autopipe.runtime.host_links import SharedLinks
 from autopipe.runtime.p2p import P2P, BufferPool, Link, TensorSpec, Transfer
@@ -72,6 +73,7 @@ class StepTransfers:
         self._sends: deque = deque()  # (Pending, Handle, key) of posted sends, oldest first
         self._sent: dict[tuple, tuple] = {}  # key (kind, stage, mb) -> (Pending, Handle) of a send not known done
         self._foreign: set[tuple] = set()  # (kind, stage, mb) of receives into the caller's tensors
+        self._posted: set[tuple] = set()  # (kind, stage, mb) of the sends posted
         self._keys: Sequence[object] = []
         self._specs: Sequence[list[list[TensorSpec]]] = []
         self._grads: dict[int, tuple[int, ...]] = {}
@@ -108,6 +110,7 @@ class StepTransfers:
         for t, h in zip(batch, handles):
             if h.send:
                 key = (t.kind, t.stage, t.microbatch)
+                self._posted.add(key)
                 self._sent[key] = (self.monitor.start(h.works), h)
                 self._sends.append((*self._sent[key], key))
 
@@ -145,7 +148,13 @@ class StepTransfers:
     def fence(self, kind: ActionKind, s: int, mb: int) -> None:
         """Makes the current stream wait until the send ``kind`` of stage ``s``, micro-batch
         ``mb``, has read its tensors (if it was posted in this step); for sends through a
-        shared-memory link, whose copy needs nothing from the peer."""
+        shared-memory link, whose copy needs nothing from the peer. Raises ScheduleError if that
+        send was not posted yet: what it would read is about to be overwritten."""
+        if (kind, s, mb) not in self._posted:
+            what = "inputs' gradients" if kind is ActionKind.SEND_GRAD else "outputs"
+            raise ScheduleError(f"the send of stage {s}'s {what} (micro-batch {mb}) must be posted before they "
+                                f"are overwritten, and is not; post sends at once (no send delays) where their "
+                                f"tensors are lent")
         sent = self._sent.pop((kind, s, mb), None)
         if sent is not None:
             self.monitor.wait(sent[0], sent[1].what, on_stream=True)
