@@ -432,6 +432,39 @@ def _renumber(seg: dict, all_nodes: list[dict], subset: list[dict]) -> list[int]
     return [position[id(all_nodes[i])] for i in seg["nodes"]]
 
 
+def _kind_of(name: str) -> str:
+    """The kernel kind of a table key, its layout mark dropped ("dwconv:strided-nhwc/4MiB",
+    "dwconv:strided-nhwc:compute" -> "dwconv:strided")."""
+    from autopipe.partition.kernel_classes import COMPUTE, FLOPS, NHWC, kernel_kind
+
+    kind = kernel_kind(name)
+    for mark in (COMPUTE, FLOPS):
+        kind = kind[: -len(mark)] if kind.endswith(mark) else kind
+    return kind.replace(NHWC, "", 1)
+
+
+def refit_kinds(committed: dict[str, Any], refitted: dict[str, Any], nodes: list[dict],
+                kinds: list[str]) -> dict[str, Any]:
+    """``committed`` with the figures of ``kinds`` taken from ``refitted``: their factors, launch
+    times and off-class kernels, and nothing else. A kind split off another (PARENT_KINDS) is
+    fitted on rows that its parent was fitted on before; the rest of the table, the eager host
+    terms fitted on timed plans (fit_eager_host.py) among them, stays what it was checked to be.
+    ``fit["refits"]`` records the refit and its in-sample error."""
+    wanted = set(kinds)
+    table = json.loads(json.dumps(committed))
+    for key in ("factors", "launches"):
+        table[key] = {k: v for k, v in table.get(key, {}).items() if _kind_of(k) not in wanted}
+        table[key].update({k: v for k, v in refitted.get(key, {}).items() if _kind_of(k) in wanted})
+    shapes = {r["shape"] for r in nodes if r.get("shape")
+              and any(_kind_of(c) in wanted for d in ("fwd", "bwd") for c in r[d]["features"])}
+    table["kernels"] = {k: v for k, v in table.get("kernels", {}).items() if k not in shapes}
+    table["kernels"].update({k: v for k, v in refitted.get("kernels", {}).items() if k in shapes})
+    table.setdefault("fit", {}).setdefault("refits", []).append(
+        {"kinds": sorted(wanted), "date": datetime.date.today().isoformat(), "rows": refitted["fit"]["nodes"],
+         "error": refitted["fit"]["error"]})
+    return table
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -447,6 +480,9 @@ def main(argv: list[str] | None = None) -> int:
     f = sub.add_parser("fit")
     f.add_argument("rows", nargs="+")
     f.add_argument("--name", required=True, help="profile name: writes autopipe/partition/calibration/NAME.json")
+    f.add_argument("--only", metavar="KINDS",
+                   help="refit the kernel kinds named (comma-separated, e.g. dwconv:strided; both layouts) and keep "
+                        "every other figure of the committed table NAME.json as it is (see refit_kinds)")
     f.add_argument("--stored-features", action="store_true",
                    help="fit the roofline terms stored in the rows instead of recomputing them with this "
                         "checkout's cost model (the default: the table must match the model that reads it)")
@@ -478,8 +514,12 @@ def main(argv: list[str] | None = None) -> int:
     from autopipe.partition.calibration import CALIBRATION_DIR
 
     path = os.path.join(CALIBRATION_DIR, f"{args.name}.json")
+    written = table
+    if args.only:
+        with open(path) as fh:
+            written = refit_kinds(json.load(fh), table, nodes, args.only.split(","))
     with open(path, "w") as fh:
-        json.dump(table, fh, indent=1, sort_keys=True)
+        json.dump(written, fh, indent=1, sort_keys=True)
     print(f"wrote {path}")
     e = table["fit"]["error"]["nodes_over_20us_in_sample"]
     print(f"nodes of 20 us or more, in sample: median {e['median']:.3f} p90 {e['p90']:.3f}")

@@ -93,6 +93,18 @@ between every kernel side and stride, where a class per kernel side saw each sid
 (the h100 table's error on a model left out, 4-stage groups under CUDA graphs: median 15.4% ->
 10.7%). One shape stays out of their reach: see [Note: kernels off their class].
 
+[Note: strided depthwise]
+A depthwise convolution with a stride over one runs other kernels than a stride-1 one, and
+further below its price: on an H200 at 128 channels-last images, EfficientNet-B0's and
+MobileNetV3-L's stride-2 ones took 1.35-1.54x what the depthwise kind priced (the 5x5 one over
+56 x 56 x 144: 0.625 ms against 0.429, its backward 1.54x), while their stride-1 ones took
+0.6-0.9x: one kind's factors split the difference. The strided ones sit at the high-resolution
+ends of those models, one or two to a stage, so the error stays in a stage's sum: an 8-stage
+plan of EfficientNet-B0 at 128 images priced one stage 18% low and measured 1.195. So such a
+kernel's class is a kind of its own ("dwconv:strided-nhwc/16MiB", ``STRIDED`` in
+kernel_classes.py), with its own arithmetic term, and a table fitted before the split prices it
+by the depthwise kind's figures (``PARENT_KINDS``).
+
 [Note: kernels off their class]
 A few kernels run far from every price their class can give, for reasons of the library's own:
 the weight gradient of the 5x5 stride-2 depthwise convolution over 672 channels at 14x14
@@ -158,7 +170,8 @@ from autopipe.errors import ConfigError
 from autopipe.partition.cost import FREE_KINDS, NodeCost
 from autopipe.partition.kernel_classes import (BYTE_BOUNDS, BYTE_LABELS, BYTE_LIMITS, COMPUTE, DIM_BOUNDS, FLOPS, NHWC,
                                                SHORT_REDUCTION, SHORT_ROW, class_fallbacks, class_of, compute_class,
-                                               kernel_kind, launch_key, plain_class, split_by_bound)
+                                               kernel_kind, launch_key, plain_class, split_by_bound,
+                                               term_fallbacks)
 
 __all__ = ["Calibration", "class_of", "kernel_kind", "launch_key", "plain_class", "load_calibration", "CALIBRATION_DIR",
            "DIM_BOUNDS", "BYTE_BOUNDS", "BYTE_LABELS", "BYTE_LIMITS", "NHWC", "FLOPS", "COMPUTE", "SHORT_REDUCTION",
@@ -215,7 +228,7 @@ class Calibration:
     def vector_factor(self, term: str, backward: bool) -> float:
         """The multiplier of a vector-arithmetic term ``term`` (a channels-last term the fit never
         saw takes its NCHW one's; none: 0): [Note: depthwise arithmetic]."""
-        pair = next((self.factors[k] for k in (term, plain_class(term)) if k in self.factors), None)
+        pair = next((self.factors[k] for k in term_fallbacks(term) if k in self.factors), None)
         return pair[int(backward)] if pair is not None else 0.0
 
     def kernel_seconds(self, shape: str, backward: bool) -> float:

@@ -109,6 +109,9 @@ class NodeCost:
     # The kernel's exact shape where its rule names it (convolutions): a calibration prices the
     # shapes it measured far from their class by their own time ([Note: kernels off their class]).
     shape: str = ""
+    # A convolution with a stride over one: a depthwise one runs kernels of its own, at any batch
+    # size (``shape`` is dropped at another), so its class is kept apart ([Note: strided depthwise]).
+    strided: bool = False
 
 
 def _owned_params(gm: fx.GraphModule, node: fx.Node) -> list[nn.Parameter]:
@@ -138,7 +141,7 @@ def _assemble(op: Op, work: Work, params: list[nn.Parameter]) -> NodeCost:
     param_count = sum(p.numel() for p in params)
     param_bytes = sum(tensor_bytes(p) for p in params)
     shape = dict(family=work.family, min_dim=work.min_dim, channels_last=_channels_last_kernel(op, work),
-                 shape=work.shape)
+                 shape=work.shape, strided=work.strided)
     if work.kind in FREE_KINDS:
         return NodeCost(0.0, 0.0, 0.0, 0.0, param_count, param_bytes, 0, out_bytes, work.kind, **shape)
     reads = work.reads if work.reads is not None else sum(

@@ -9,7 +9,8 @@ from autopipe.partition.cost import MATMUL_KINDS, NodeCost
 
 __all__ = ["class_of", "compute_class", "split_by_bound", "plain_class", "dense_class", "class_fallbacks",
            "kernel_kind", "launch_key", "DIM_BOUNDS", "BYTE_BOUNDS", "BYTE_LABELS", "BYTE_LIMITS", "NHWC", "FLOPS",
-           "COMPUTE", "SHORT_REDUCTION", "SHORT_ROW", "PARENT_KINDS", "CLASS_LAUNCH_KINDS"]
+           "COMPUTE", "SHORT_REDUCTION", "SHORT_ROW", "PARENT_KINDS", "CLASS_LAUNCH_KINDS", "STRIDED",
+           "term_fallbacks"]
 
 DIM_BOUNDS = (4, 16, 32, 64, 128, 256, 512, 1024)
 NHWC = "-nhwc"  # the layout mark of a channels-last kernel's class
@@ -18,8 +19,10 @@ COMPUTE = ":compute"  # the mark of a kernel kind's vector-arithmetic term ([Not
 BYTE_BOUNDS = tuple(2**18 * 4**i for i in range(5))  # 256 KiB, 1 MiB, 4 MiB, 16 MiB, 64 MiB
 SHORT_REDUCTION = 2**14  # bytes a channel: a batch norm over fewer rows is short ([Note: short reductions])
 SHORT_ROW = 256  # elements a row: a row norm over shorter rows is short ([Note: short rows] in op_rules.py)
+STRIDED = ":strided"  # the mark of a depthwise convolution with a stride over 1 ([Note: strided depthwise])
 # kinds split off another: a table fitted before the split prices them by it (op_rules: [Note: short rows], SCALE)
-PARENT_KINDS = {"norm:row:short": "norm:row", "elementwise:scale": "elementwise:broadcast"}
+PARENT_KINDS = {"norm:row:short": "norm:row", "elementwise:scale": "elementwise:broadcast",
+                "dwconv" + STRIDED: "dwconv", "dwconv" + STRIDED + NHWC: "dwconv" + NHWC}
 
 BYTE_LABELS = tuple(f"{b >> 20}MiB" if b >= 2**20 else f"{b >> 10}KiB" for b in BYTE_BOUNDS) \
     + (f">{BYTE_BOUNDS[-1] >> 20}MiB",)
@@ -43,7 +46,8 @@ def class_of(cost: NodeCost, *, backward: bool = False) -> str:
     layout = NHWC if cost.channels_last else ""  # see [Note: kernel layout]
     if cost.kind in MATMUL_KINDS:
         if cost.family == "dwconv":  # memory-bound: by bytes, as the vector kernels
-            return f"dwconv{layout}/{_bucket(nbytes, BYTE_BOUNDS, _bytes_label)}"
+            strided = STRIDED if cost.strided else ""  # [Note: strided depthwise]
+            return f"dwconv{strided}{layout}/{_bucket(nbytes, BYTE_BOUNDS, _bytes_label)}"
         if cost.family in ("gemm", "conv", "gconv") and cost.min_dim > 0:
             return f"{cost.family}{layout}/{_bucket(cost.min_dim, DIM_BOUNDS)}"
         return cost.kind  # attention, or a GEMM whose shape the rule could not tell
@@ -79,12 +83,21 @@ def dense_class(name: str) -> str:
     return name[1:] if name.startswith("gconv") else name
 
 
+def term_fallbacks(term: str) -> tuple[str, ...]:
+    """The terms whose fitted factor prices a kind's term ``term`` ("dwconv:strided-nhwc:compute"),
+    first found first: its own, its NCHW one, and for a kind split off another that other's."""
+    kind, mark = term.rsplit(":", 1)
+    parent = (f"{PARENT_KINDS[kind]}:{mark}",) if kind in PARENT_KINDS else ()
+    return tuple(dict.fromkeys(t for k in (term, *parent) for t in (k, plain_class(k))))
+
+
 def class_fallbacks(name: str) -> tuple[str, ...]:
     """The classes whose fitted figures price class ``name``, first found first: its own, its
     NCHW class ([Note: kernel layout]), and for a grouped convolution the dense ones
     ([Note: grouped convolutions]), and for a kind split off another that other's (PARENT_KINDS)."""
     dense, (kind, _, bucket) = dense_class(name), name.partition("/")
-    parent = (f"{PARENT_KINDS[kind]}/{bucket}",) if kind in PARENT_KINDS else ()
+    parent = tuple(dict.fromkeys((f"{PARENT_KINDS[kind]}/{bucket}", plain_class(f"{PARENT_KINDS[kind]}/{bucket}")))) \
+        if kind in PARENT_KINDS else ()
     return (name, plain_class(name)) + ((dense, plain_class(dense)) if dense != name else ()) + parent
 
 

@@ -75,6 +75,7 @@ class Work:
     fwd_free: bool = False  # launches nothing forward: a view whose backward copies
     bwd_bytes: float | None = None  # None: by [Note: cost conventions]; 0 with no bwd_flops: no kernel
     shape: str = ""  # the kernel's exact shape, where a calibration may know it by name (convolutions)
+    strided: bool = False  # a convolution with a stride over one ([Note: strided depthwise] in calibration.py)
 
 
 Rule = Callable[[Op], Work]
@@ -242,8 +243,9 @@ def conv(op: Op) -> Work:
     # grouped convs run kernels of their own ([Note: grouped convolutions] in calibration.py).
     depthwise = groups > 1 and (w.shape[0] if transposed else w.shape[1]) == 1
     family = "dwconv" if depthwise else "gconv" if groups > 1 else "conv"
+    shape = _conv_shape(op, x, w, groups)
     return Work("matmul", _conv_flops(x, w, op.out_tensor, transposed), saved=op.floating_bytes(),
-                 family=family, min_dim=int(min(per_group, w.shape[1])), shape=_conv_shape(op, x, w, groups))
+                 family=family, min_dim=int(min(per_group, w.shape[1])), shape=shape, strided=conv_strided(shape))
 
 
 def _conv_shape(op: Op, x: torch.Tensor, w: torch.Tensor, groups: int) -> str:
@@ -261,6 +263,13 @@ def _conv_shape(op: Op, x: torch.Tensor, w: torch.Tensor, groups: int) -> str:
 
     fields = (("x", x.shape), ("w", w.shape), *zip("spd", geometry))
     return " ".join([*(f"{k}={listed(v)}" for k, v in fields), f"g={groups}", layout])
+
+
+def conv_strided(shape: str) -> bool:
+    """Whether a convolution of shape ``shape`` (``_conv_shape``'s string) strides over more than
+    one position in some spatial dim; False for any other string."""
+    stride = next((tok[2:] for tok in shape.split() if tok.startswith("s=")), "")
+    return any(v.isdigit() and int(v) > 1 for v in stride.split(","))
 
 
 def _groups(op: Op) -> int:
