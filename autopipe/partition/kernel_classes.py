@@ -96,9 +96,9 @@ def class_fallbacks(name: str) -> tuple[str, ...]:
     NCHW class ([Note: kernel layout]), and for a grouped convolution the dense ones
     ([Note: grouped convolutions]), and for a kind split off another that other's (PARENT_KINDS)."""
     dense, (kind, _, bucket) = dense_class(name), name.partition("/")
-    parent = tuple(dict.fromkeys((f"{PARENT_KINDS[kind]}/{bucket}", plain_class(f"{PARENT_KINDS[kind]}/{bucket}")))) \
-        if kind in PARENT_KINDS else ()
-    return (name, plain_class(name)) + ((dense, plain_class(dense)) if dense != name else ()) + parent
+    parent = f"{PARENT_KINDS[kind]}/{bucket}" if kind in PARENT_KINDS else ""
+    return (name, plain_class(name)) + ((dense, plain_class(dense)) if dense != name else ()) \
+        + (tuple(dict.fromkeys((parent, plain_class(parent)))) if parent else ())
 
 
 def kernel_kind(name: str) -> str:
