@@ -337,3 +337,49 @@ def test_boundaries_inside_a_pool_cut_finer_start_only_where_the_merged_plan_can
              and not n.meta.get(JOIN) and n.name not in {m.name for m in traced.gm.graph.nodes}}
     assert len(pieces) == 16 and pieces <= can and parts and not parts & can
     assert next(n.name for n in gm.graph.nodes if n.meta.get(JOIN)) in can
+
+
+def test_boundaries_of_a_plan_between_whole_nodes_move_into_a_pool(monkeypatch):
+    """A plan cut between whole nodes, its second stage starting at the pool: the profile
+    balances it (so no round cuts the pool), but the stem runs faster than profiled. The moves
+    cut the pool finer anyway and shift some of its samples into the first stage, where a move
+    by whole nodes would take the whole pool and overshoot."""
+    import autopipe.measure as measure
+    from autopipe.measure import _groups, measured_plan
+
+    traced = _traced(16)
+    order = [n.name for n in traced.gm.graph.nodes if n.op != "output"]
+    pool = order.index("maxpool")
+    analytic = analytic_seconds(traced, "cpu")
+
+    def scaled(names, total):
+        s = sum(analytic[n] for n in names)
+        return {n: total * analytic[n] / s for n in names}
+
+    seconds = {**scaled(order[:pool], 1.0), "maxpool": 0.2, **scaled(order[pool + 1:], 0.8)}
+    segments = [Segment(0, pool, 1.0, 0.0), Segment(pool, pool + 1, 0.2, 0.0), Segment(pool + 1, len(order), 0.8, 0.0)]
+    key = profile_key(traced, RunSetup("cpu", "eager"))
+    measured = MeasuredCosts(key["fingerprint"], key["input_shapes"], key["dtype"], key["mode"], key["device"],
+                             key["torch_version"], segments, seconds)
+    group_of = _groups(traced, measured)
+    hidden = [0.7, 1.0, 1.0]
+
+    def true(plan):
+        split = cut_mlps(traced, plan.mlp_pieces)
+        share = {n.name: n.meta.get(PIECE_OF, (n.name, 1.0)) for n in split.gm.graph.nodes}
+        return [sum(share[n][1] * seconds[share[n][0]] * hidden[group_of[share[n][0]]]
+                    for n in s.nodes if share[n][0] in seconds) for s in plan.stages]
+
+    monkeypatch.setattr(measure, "time_plan", lambda t, plan, s, group=None, stages=None: [
+        true(plan)[i] for i in (range(plan.num_stages) if stages is None else stages)])
+    monkeypatch.setattr(measure, "_time_both", lambda t, p, q, s, scale: (true(p), true(q)))
+    plan = measured_plan(traced, RunSetup("cpu", reps=1, warmup=1), dict(pp=2, device="cpu"), measured=measured,
+                         options=MeasureOptions(rounds=0, moves=3, target=1.01))
+    first = plan.refinement[0]
+    assert first["stage_starts"][1] == "maxpool" and "mlp_pieces" not in first
+    kept = [e for e in plan.refinement if e.get("kept") and "move" in e]
+    assert kept and "maxpool" in kept[0].get("mlp_pieces", {})
+    assert list(plan.mlp_pieces) == ["maxpool"] and 0 < plan.mlp_pieces["maxpool"]["samples"][1] < 16
+    assert max(true(plan)) < 0.88  # the whole pool in either stage: 0.9 or 1.0
+    x = batch(5, 16)[0]
+    assert torch.equal(run_chain(list(emit_stages(traced, plan).values()), x)[0], traced.gm(x)[0])

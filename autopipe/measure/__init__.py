@@ -167,9 +167,11 @@ def _close_the_loop(traced: TracedModel, plan: PartitionPlan, setup: RunSetup, m
         """The profile as every timing of the loop so far corrected it ([Note: closed loop])."""
         return corrected(*(calibrate(plan.refinement, groups, planned, scale) or ([1.0] * groups,)))
 
+    pools = bool(partition_args.get("split_mlps", True)) and partition_args.get("tp", 1) == 1  # pieces allowed
     rounds_plan = plan
     while True:
-        plan = moved(traced, plan, fitted(), at_args, timed, paired, options.target, _timings_left(plan, options))
+        plan = moved(traced, plan, fitted(), at_args, timed, paired, options.target, _timings_left(plan, options),
+                     pools)
         if _timings_left(plan, options) <= 0 or (plan.measured_imbalance or 1.0) <= options.target:
             break
         # See [Note: re-cut from the whole fit].

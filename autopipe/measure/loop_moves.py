@@ -26,15 +26,15 @@ def plan_cut(plan: PartitionPlan) -> tuple:
 
 
 def moved(traced: TracedModel, plan: PartitionPlan, priced: MeasuredCosts, at_args: dict[str, Any],
-          timed: Any, paired: Any, target: float, moves: int) -> PartitionPlan:
+          timed: Any, paired: Any, target: float, moves: int, pools: bool = True) -> PartitionPlan:
     """``plan`` with its boundaries moved ([Note: boundary moves]), each moved plan priced by
-    ``priced``; a plan in pieces is moved in the graph cut into them, its poolings cut finer
-    ([Note: finer pieces]), its MLPs' pieces as they are."""
+    ``priced``; in the graph cut into the plan's pieces, its poolings cut finer ([Note: finer
+    pieces]), with ``pools`` those it left whole too, its MLPs' pieces as they are."""
     if moves <= 0:
         return plan
     graphs = _PieceGraphs(traced, priced)
     pieces = plan.mlp_pieces or {}
-    fine = finer_pieces.finer(pieces)
+    fine = finer_pieces.finer({**(finer_pieces.whole_pools(traced.gm, pieces) if pools else {}), **pieces})
     graph = graphs.get(fine)
     starts = finer_pieces.translate([s.nodes[0] for s in plan.stages], graphs.get(pieces).gm, pieces, graph.gm, fine,
                                     graphs.original)
