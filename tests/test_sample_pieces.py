@@ -39,6 +39,35 @@ def _heavy_pool(traced) -> dict[str, float]:
     return seconds
 
 
+def _costs(traced, segments, seconds) -> MeasuredCosts:
+    """A CPU profile of ``traced`` with these segments and node seconds."""
+    key = profile_key(traced, RunSetup("cpu", "eager"))
+    return MeasuredCosts(key["fingerprint"], key["input_shapes"], key["dtype"], key["mode"], key["device"],
+                         key["torch_version"], segments, seconds)
+
+
+def _device(monkeypatch, traced, measured, hidden):
+    """The stage timers replaced by a device on which each profile segment's nodes run at its
+    ``hidden`` factor, and a plan's splits and joins at their analytic price (as the fit takes
+    them); returns that device's stage times of a plan."""
+    import autopipe.measure as measure
+    from autopipe.measure import _groups
+
+    group_of, seconds = _groups(traced, measured), measured.node_seconds
+
+    def true(plan):
+        split = cut_mlps(traced, plan.mlp_pieces)
+        unprofiled = {k: v for k, v in analytic_seconds(split, "cpu").items() if k not in seconds}
+        share = {n.name: n.meta.get(PIECE_OF, (n.name, 1.0)) for n in split.gm.graph.nodes}
+        return [sum(share[n][1] * seconds[share[n][0]] * hidden[group_of[share[n][0]]]
+                    if share[n][0] in seconds else unprofiled.get(n, 0.0) for n in s.nodes) for s in plan.stages]
+
+    monkeypatch.setattr(measure, "time_plan", lambda t, plan, s, group=None, stages=None: [
+        true(plan)[i] for i in (range(plan.num_stages) if stages is None else stages)])
+    monkeypatch.setattr(measure, "_time_both", lambda t, p, q, s, scale: (true(p), true(q)))
+    return true
+
+
 def test_a_pool_cut_by_sample_gives_the_models_values_and_gradients_to_the_bit():
     traced = _traced()
     assert [p.key for p in find_pools(traced.gm)] == ["maxpool"]
@@ -98,11 +127,9 @@ def test_the_partitioner_cuts_a_pool_by_sample_when_that_balances_better():
 def _profile(image: int) -> MeasuredCosts:
     """A profile of ResNet-18 at one micro-batch on which pp=2 cuts inside the max-pool."""
     traced = trace(resnet18(), (batch(0, BATCH // M, image)[0],))
-    key = profile_key(traced, RunSetup("cpu", "eager"))
     seconds = _heavy_pool(traced)
     count = sum(1 for n in traced.gm.graph.nodes if n.op != "output")
-    return MeasuredCosts(key["fingerprint"], key["input_shapes"], key["dtype"], key["mode"], key["device"],
-                         key["torch_version"], [Segment(0, count, sum(seconds.values()), 0.0)], seconds)
+    return _costs(traced, [Segment(0, count, sum(seconds.values()), 0.0)], seconds)
 
 
 def _train_pool_in_pieces(rank: int, world: int) -> dict:
@@ -219,31 +246,15 @@ def test_boundaries_move_inside_a_pool_by_a_sixteenth_of_its_samples(monkeypatch
     move over its two pieces would move most of the pool): on a device where the stem and its
     pool run at half their profiled time, the moves shift the pool's samples between the
     stages, and each moved plan, merged back to two pieces, runs as the model does."""
-    import autopipe.measure as measure
-    from autopipe.measure import _groups, measured_plan
+    from autopipe.measure import measured_plan
 
     traced = _traced(16)
     seconds = _heavy_pool(traced)
     order = [n.name for n in traced.gm.graph.nodes if n.op != "output"]
     cut = order.index("maxpool") + 1  # the pool's segment apart from the rest's
-    segments = [Segment(0, cut, sum(seconds[n] for n in order[:cut]), 0.0),
-                Segment(cut, len(order), sum(seconds[n] for n in order[cut:]), 0.0)]
-    key = profile_key(traced, RunSetup("cpu", "eager"))
-    measured = MeasuredCosts(key["fingerprint"], key["input_shapes"], key["dtype"], key["mode"], key["device"],
-                             key["torch_version"], segments, seconds)
-    group_of = _groups(traced, measured)
-    hidden = [0.5, 1.0]
-
-    def true(plan):  # the splits and joins at their analytic price, as the fit takes them
-        split = cut_mlps(traced, plan.mlp_pieces)
-        unprofiled = {k: v for k, v in analytic_seconds(split, "cpu").items() if k not in seconds}
-        share = {n.name: n.meta.get(PIECE_OF, (n.name, 1.0)) for n in split.gm.graph.nodes}
-        return [sum(share[n][1] * seconds[share[n][0]] * hidden[group_of[share[n][0]]]
-                    if share[n][0] in seconds else unprofiled.get(n, 0.0) for n in s.nodes) for s in plan.stages]
-
-    monkeypatch.setattr(measure, "time_plan", lambda t, plan, s, group=None, stages=None: [
-        true(plan)[i] for i in (range(plan.num_stages) if stages is None else stages)])
-    monkeypatch.setattr(measure, "_time_both", lambda t, p, q, s, scale: (true(p), true(q)))
+    measured = _costs(traced, [Segment(0, cut, sum(seconds[n] for n in order[:cut]), 0.0),
+                               Segment(cut, len(order), sum(seconds[n] for n in order[cut:]), 0.0)], seconds)
+    true = _device(monkeypatch, traced, measured, [0.5, 1.0])
     plan = measured_plan(traced, RunSetup("cpu", reps=1, warmup=1), dict(pp=2, device="cpu"), measured=measured,
                          options=MeasureOptions(rounds=0, moves=6, target=1.01))
     first = plan.refinement[0]
@@ -344,8 +355,7 @@ def test_boundaries_of_a_plan_between_whole_nodes_move_into_a_pool(monkeypatch):
     balances it (so no round cuts the pool), but the stem runs faster than profiled. The moves
     cut the pool finer anyway and shift some of its samples into the first stage, where a move
     by whole nodes would take the whole pool and overshoot."""
-    import autopipe.measure as measure
-    from autopipe.measure import _groups, measured_plan
+    from autopipe.measure import measured_plan
 
     traced = _traced(16)
     order = [n.name for n in traced.gm.graph.nodes if n.op != "output"]
@@ -357,22 +367,9 @@ def test_boundaries_of_a_plan_between_whole_nodes_move_into_a_pool(monkeypatch):
         return {n: total * analytic[n] / s for n in names}
 
     seconds = {**scaled(order[:pool], 1.0), "maxpool": 0.2, **scaled(order[pool + 1:], 0.8)}
-    segments = [Segment(0, pool, 1.0, 0.0), Segment(pool, pool + 1, 0.2, 0.0), Segment(pool + 1, len(order), 0.8, 0.0)]
-    key = profile_key(traced, RunSetup("cpu", "eager"))
-    measured = MeasuredCosts(key["fingerprint"], key["input_shapes"], key["dtype"], key["mode"], key["device"],
-                             key["torch_version"], segments, seconds)
-    group_of = _groups(traced, measured)
-    hidden = [0.7, 1.0, 1.0]
-
-    def true(plan):
-        split = cut_mlps(traced, plan.mlp_pieces)
-        share = {n.name: n.meta.get(PIECE_OF, (n.name, 1.0)) for n in split.gm.graph.nodes}
-        return [sum(share[n][1] * seconds[share[n][0]] * hidden[group_of[share[n][0]]]
-                    for n in s.nodes if share[n][0] in seconds) for s in plan.stages]
-
-    monkeypatch.setattr(measure, "time_plan", lambda t, plan, s, group=None, stages=None: [
-        true(plan)[i] for i in (range(plan.num_stages) if stages is None else stages)])
-    monkeypatch.setattr(measure, "_time_both", lambda t, p, q, s, scale: (true(p), true(q)))
+    measured = _costs(traced, [Segment(0, pool, 1.0, 0.0), Segment(pool, pool + 1, 0.2, 0.0),
+                               Segment(pool + 1, len(order), 0.8, 0.0)], seconds)
+    true = _device(monkeypatch, traced, measured, [0.7, 1.0, 1.0])
     plan = measured_plan(traced, RunSetup("cpu", reps=1, warmup=1), dict(pp=2, device="cpu"), measured=measured,
                          options=MeasureOptions(rounds=0, moves=3, target=1.01))
     first = plan.refinement[0]
