@@ -380,3 +380,20 @@ def test_boundaries_of_a_plan_between_whole_nodes_move_into_a_pool(monkeypatch):
     assert max(true(plan)) < 0.88  # the whole pool in either stage: 0.9 or 1.0
     x = batch(5, 16)[0]
     assert torch.equal(run_chain(list(emit_stages(traced, plan).values()), x)[0], traced.gm(x)[0])
+
+
+def test_a_recut_as_fast_as_the_plan_within_noise_does_not_replace_it():
+    """A re-cut whose slowest stage is faster by less than RECUT_GAIN leaves the plan (and the
+    moves it holds) in place; faster by more, it replaces it."""
+    from autopipe.measure.loop_moves import RECUT_GAIN, recut
+
+    traced = _traced(16)
+    seconds = _heavy_pool(traced)
+    candidate = plan_stages(traced, 2, device="cpu", node_seconds=seconds)
+    for slower_by, won in ((0.1 * RECUT_GAIN, False), (2 * RECUT_GAIN, True)):
+        current = partition(traced, 2, device="cpu", node_seconds=seconds)
+        for stage, t in zip(current.stages, [3.0, 1.0]):
+            stage.measured_time = t
+        current.refinement = [{"round": 0, "times": [3.0, 1.0], "stage_starts": [s.nodes[0] for s in current.stages]}]
+        kept, replaced = recut(current, candidate, lambda plan: [3.0 * (1 - slower_by), 2.9], None)
+        assert replaced is won and (kept is candidate) is won and current.refinement[-1]["kept"] is won
